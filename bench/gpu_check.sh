@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one prepared run for the GPU machine (no network; torch, cmake, ninja, scikit-build-core,
+# pytest and hypothesis preinstalled): build there, run the CUDA tests, run the benchmark, and
+# print a short table last. Budget: under 6 minutes. Results also land in $OUT (if set).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fsdpcheck-gpu}
+mkdir -p "$OUT"
+export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+python -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
+
+t0=$(date +%s)
+if ! FSDPCHECK_CUDA=ON FSDPCHECK_WERROR=ON MAX_JOBS=16 pip install --no-build-isolation --no-deps \
+    -C build-dir=build/gpu -e . > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - t0 )) s"
+python -c "import fsdpcheck; print(fsdpcheck.build_info())"
+
+t0=$(date +%s)
+timeout 200 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
+  > "$OUT/tests.log" 2>&1
+tests_rc=$?
+tail -25 "$OUT/tests.log"
+echo "tests: rc=$tests_rc, $(( $(date +%s) - t0 )) s"
+
+t0=$(date +%s)
+timeout 170 python bench/bench_kernels.py --device cuda --reps 10 --json "$OUT/bench.json" \
+  > "$OUT/bench.log" 2>&1
+bench_rc=$?
+echo "bench: rc=$bench_rc, $(( $(date +%s) - t0 )) s"
+# The table last.
+grep -E "^# device|^workload|^(llama|small|cpu-mix)" "$OUT/bench.log" | grep -v "^  " | tail -45
+echo "tests rc=$tests_rc bench rc=$bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

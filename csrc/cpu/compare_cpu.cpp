@@ -1,0 +1,496 @@
+// CPU implementation of fsdpcheck::compare and fsdpcheck::fingerprint.
+//
+// The per-element rules come from fsdpcheck/elementwise.h. This file only organises the work so
+// that the common case is fast: a correct load is a copy, so blocks whose raw bits are equal take a
+// vectorised path that hashes once and does no float64 comparison; only blocks with a differing
+// element run the scalar reference comparison.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
+#include "fsdpcheck/elementwise.h"
+#include "fsdpcheck/plan.h"
+
+// NOTE: [SIMD dispatch] The hot loops are compiled three times (AVX-512, AVX2, baseline) and the
+// loader picks one at run time (GCC target_clones / ifunc). Never -march=native: the wheel must run
+// on any x86-64. Elsewhere the loops are compiled once for the baseline.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FSDPCHECK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FSDPCHECK_CLONES
+#endif
+#define FSDPCHECK_INLINE inline __attribute__((always_inline))
+
+namespace fsdpcheck {
+namespace simd {
+
+// Elements per block of the vectorised path. Small enough to stay in L1 while it is read by the
+// equality test, the hash and the statistics loops, large enough to amortise the calls.
+constexpr int kBlock = 512;
+
+template <typename B>
+FSDPCHECK_INLINE int count_neq_body(const B* a, const B* b, int m) {
+  int c = 0;
+  for (int j = 0; j < m; ++j) c += a[j] != b[j];
+  return c;
+}
+
+// Fingerprint v1 of m elements whose keys are key, key + step, ... The high and low halves are
+// summed separately (the high half only mod 2**32, as it is shifted by 32) so the loop vectorises
+// on 32-bit lanes.
+template <typename B>
+FSDPCHECK_INLINE uint64_t hash_body(const B* v, int m, uint64_t key, uint64_t step) {
+  uint32_t hi = 0;
+  uint64_t lo = 0;
+  for (int j = 0; j < m; ++j) {
+    const uint32_t kl = static_cast<uint32_t>(key);
+    const uint32_t kh = static_cast<uint32_t>(key >> 32);
+    if constexpr (sizeof(B) == 8) {
+      const uint32_t vl = static_cast<uint32_t>(v[j]);
+      const uint32_t vh = static_cast<uint32_t>(v[j] >> 32);
+      hi += fmix32(fmix32(kh ^ vh) ^ vl);
+      lo += fmix32(fmix32(kl ^ vl) ^ vh);
+    } else {
+      const uint32_t x = v[j];
+      hi += fmix32(kh ^ x);
+      lo += fmix32(kl ^ x);
+    }
+    key += step;
+  }
+  return (static_cast<uint64_t>(hi) << 32) + lo;
+}
+
+struct BlockStats {
+  int64_t nan = 0;
+  int64_t inf = 0;
+  int64_t zeros = 0;
+  double sum = 0.0;
+  double sumsq = 0.0;
+};
+
+template <DType D>
+FSDPCHECK_INLINE BlockStats stats_body(const typename Traits<D>::Bits* v, int m, bool with_stats) {
+  using T = Traits<D>;
+  BlockStats s;
+  if constexpr (!T::kInteger) {
+    int nan = 0, inf = 0;
+    for (int j = 0; j < m; ++j) {
+      nan += T::is_nan(v[j]);
+      inf += T::is_inf(v[j]);
+    }
+    s.nan = nan;
+    s.inf = inf;
+  }
+  if (with_stats) {
+    int zeros = 0;
+    double sum = 0.0, sumsq = 0.0;
+#pragma omp simd reduction(+ : zeros, sum, sumsq)
+    for (int j = 0; j < m; ++j) {
+      const double x = T::to_f64(v[j]);
+      zeros += x == 0.0;
+      sum += x;
+      sumsq += x * x;
+    }
+    s.zeros = zeros;
+    s.sum = sum;
+    s.sumsq = sumsq;
+  }
+  return s;
+}
+
+// Non-template entry points: target_clones applies to plain functions; the always_inline bodies
+// above are compiled inside each clone with that clone's instruction set.
+#define FSDPCHECK_DEF_BITS_KERNELS(B)                                                       \
+  FSDPCHECK_CLONES int count_neq(const B* a, const B* b, int m) {                           \
+    return count_neq_body(a, b, m);                                                         \
+  }                                                                                         \
+  FSDPCHECK_CLONES uint64_t hash(const B* v, int m, uint64_t key, uint64_t step) {          \
+    return hash_body(v, m, key, step);                                                      \
+  }
+FSDPCHECK_DEF_BITS_KERNELS(uint8_t)
+FSDPCHECK_DEF_BITS_KERNELS(uint16_t)
+FSDPCHECK_DEF_BITS_KERNELS(uint32_t)
+FSDPCHECK_DEF_BITS_KERNELS(uint64_t)
+#undef FSDPCHECK_DEF_BITS_KERNELS
+
+template <DType D>
+BlockStats stats(const typename Traits<D>::Bits* v, int m, bool with_stats);
+
+#define FSDPCHECK_DEF_STATS(D, NAME)                                                          \
+  FSDPCHECK_CLONES BlockStats NAME(const Traits<D>::Bits* v, int m, bool with_stats) {        \
+    return stats_body<D>(v, m, with_stats);                                                   \
+  }                                                                                           \
+  template <>                                                                                 \
+  BlockStats stats<D>(const Traits<D>::Bits* v, int m, bool with_stats) {                     \
+    return NAME(v, m, with_stats);                                                            \
+  }
+FSDPCHECK_DEF_STATS(DType::kFloat64, stats_f64)
+FSDPCHECK_DEF_STATS(DType::kFloat32, stats_f32)
+FSDPCHECK_DEF_STATS(DType::kFloat16, stats_f16)
+FSDPCHECK_DEF_STATS(DType::kBFloat16, stats_bf16)
+FSDPCHECK_DEF_STATS(DType::kFloat8E4M3FN, stats_f8e4m3fn)
+FSDPCHECK_DEF_STATS(DType::kFloat8E5M2, stats_f8e5m2)
+FSDPCHECK_DEF_STATS(DType::kInt8, stats_i8)
+FSDPCHECK_DEF_STATS(DType::kInt16, stats_i16)
+FSDPCHECK_DEF_STATS(DType::kInt32, stats_i32)
+FSDPCHECK_DEF_STATS(DType::kInt64, stats_i64)
+FSDPCHECK_DEF_STATS(DType::kUInt8, stats_u8)
+FSDPCHECK_DEF_STATS(DType::kBool, stats_bool)
+#undef FSDPCHECK_DEF_STATS
+
+std::string level() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
+  if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3";
+  return "x86-64";
+#else
+  return "baseline";
+#endif
+}
+
+}  // namespace simd
+
+namespace {
+
+// NOTE: [denormals] torch.set_flush_denormal(True) turns on flush-to-zero / denormals-are-zero for
+// the calling thread, which would make distinct subnormal values compare equal. Every thread that
+// runs our comparisons clears those modes and restores them afterwards.
+class FpEnvGuard {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  FpEnvGuard() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~0x8040u); }  // FTZ (15), DAZ (6)
+  ~FpEnvGuard() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#elif defined(__aarch64__)
+  FpEnvGuard() {
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
+    const uint64_t cleared = saved_ & ~(uint64_t{1} << 24);  // FZ
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared));
+  }
+  ~FpEnvGuard() { __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  uint64_t saved_;
+#endif
+};
+
+template <typename B>
+const B* gather(B* buf, const B* src, int64_t stride, int m) {
+  for (int j = 0; j < m; ++j) buf[j] = src[j * stride];
+  return buf;
+}
+
+// A run: n elements along the innermost coalesced dim, global indices g, g + gstep, ...
+struct Run {
+  int64_t n;
+  int64_t g;
+  int64_t gstep;
+};
+
+template <DType D>
+void run_pair_same(const typename Traits<D>::Bits* a, int64_t sa,
+                   const typename Traits<D>::Bits* e, int64_t se, const Run& run,
+                   const Options& o, Partial& acc) {
+  using B = typename Traits<D>::Bits;
+  alignas(64) B ba[simd::kBlock];
+  alignas(64) B be[simd::kBlock];
+  const uint64_t kstep = static_cast<uint64_t>(run.gstep) * kKeyMul;
+  for (int64_t j0 = 0; j0 < run.n; j0 += simd::kBlock) {
+    const int m = static_cast<int>(std::min<int64_t>(simd::kBlock, run.n - j0));
+    const B* pa = sa == 1 ? a + j0 : gather(ba, a + j0 * sa, sa, m);
+    const B* pe = se == 1 ? e + j0 : gather(be, e + j0 * se, se, m);
+    const int64_t g0 = run.g + j0 * run.gstep;
+    const uint64_t key = hash_key(static_cast<uint64_t>(g0));
+    if (simd::count_neq(pa, pe, m) == 0) {
+      // Bit-equal block: one hash serves both sides; nothing can mismatch except NaN when
+      // equal_nan is off; every non-NaN element has difference 0.
+      if (o.fingerprints) {
+        const uint64_t h = simd::hash(pa, m, key, kstep);
+        acc.fp_a += h;
+        acc.fp_e += h;
+      }
+      const simd::BlockStats s = simd::stats<D>(pa, m, o.stats);
+      acc.nan_a += s.nan;
+      acc.nan_e += s.nan;
+      acc.inf_a += s.inf;
+      acc.inf_e += s.inf;
+      acc.zeros += s.zeros;
+      acc.sum += s.sum;
+      acc.sumsq += s.sumsq;
+      if (!o.cmp.equal_nan) acc.mismatched += s.nan;
+      // Elements arrive in increasing global index, so only the first difference can matter.
+      if (acc.max_abs_idx < 0 && s.nan < m) {
+        int j = 0;
+        while (Traits<D>::is_nan(pa[j])) ++j;
+        take_max(acc.max_abs, acc.max_abs_idx, 0.0, g0 + j * run.gstep);
+        take_max(acc.max_rel, acc.max_rel_idx, 0.0, g0 + j * run.gstep);
+      }
+      continue;
+    }
+    if (o.fingerprints) {
+      acc.fp_a += simd::hash(pa, m, key, kstep);
+      acc.fp_e += simd::hash(pe, m, key, kstep);
+    }
+    const simd::BlockStats s_a = simd::stats<D>(pa, m, o.stats);
+    const simd::BlockStats s_e = simd::stats<D>(pe, m, false);
+    acc.nan_a += s_a.nan;
+    acc.nan_e += s_e.nan;
+    acc.inf_a += s_a.inf;
+    acc.inf_e += s_e.inf;
+    acc.zeros += s_a.zeros;
+    acc.sum += s_a.sum;
+    acc.sumsq += s_a.sumsq;
+    for (int j = 0; j < m; ++j) {
+      const ElementResult r = compare_values(decode<D>(pa[j]), decode<D>(pe[j]), o.cmp);
+      acc.mismatched += r.mismatch;
+      if (r.has_diff) {
+        take_max(acc.max_abs, acc.max_abs_idx, r.abs_diff, g0 + j * run.gstep);
+        take_max(acc.max_rel, acc.max_rel_idx, r.rel_diff, g0 + j * run.gstep);
+      }
+    }
+  }
+}
+
+template <DType D>
+void run_single(const typename Traits<D>::Bits* a, int64_t sa, const Run& run, const Options& o,
+                Partial& acc) {
+  using B = typename Traits<D>::Bits;
+  alignas(64) B ba[simd::kBlock];
+  const uint64_t kstep = static_cast<uint64_t>(run.gstep) * kKeyMul;
+  for (int64_t j0 = 0; j0 < run.n; j0 += simd::kBlock) {
+    const int m = static_cast<int>(std::min<int64_t>(simd::kBlock, run.n - j0));
+    const B* pa = sa == 1 ? a + j0 : gather(ba, a + j0 * sa, sa, m);
+    if (o.fingerprints) {
+      acc.fp_a += simd::hash(pa, m, hash_key(static_cast<uint64_t>(run.g + j0 * run.gstep)), kstep);
+    }
+    const simd::BlockStats s = simd::stats<D>(pa, m, o.stats);
+    acc.nan_a += s.nan;
+    acc.inf_a += s.inf;
+    acc.zeros += s.zeros;
+    acc.sum += s.sum;
+    acc.sumsq += s.sumsq;
+  }
+}
+
+// Calls fn(offset_a, offset_e, run) for each innermost-dim run of local elements [l0, l1), in
+// order. Offsets are in elements.
+template <typename Fn>
+void for_each_run(const TensorPlan& p, int64_t l0, int64_t l1, Fn&& fn) {
+  const int last = p.ndim - 1;
+  int64_t idx[kMaxDims];
+  int64_t rem = l0;
+  for (int d = last; d >= 0; --d) {
+    idx[d] = rem % p.size[d];
+    rem /= p.size[d];
+  }
+  for (int64_t l = l0; l < l1;) {
+    int64_t oa = 0, oe = 0, g = p.gbase;
+    for (int d = 0; d <= last; ++d) {
+      oa += idx[d] * p.stride_a[d];
+      oe += idx[d] * p.stride_e[d];
+      g += idx[d] * p.gstride[d];
+    }
+    const int64_t n = std::min(p.size[last] - idx[last], l1 - l);
+    fn(oa, oe, Run{n, g, p.gstride[last]});
+    l += n;
+    idx[last] += n;
+    for (int d = last; d > 0 && idx[d] == p.size[d]; --d) {
+      idx[d] = 0;
+      ++idx[d - 1];
+    }
+  }
+}
+
+// The scalar path: every element through the same header functions the CUDA kernels call
+// (locate, accumulate_element, accumulate_mixed). Exposed as fsdpcheck::_reference so that the
+// CPU tests exercise the CUDA kernels' per-element code even where no GPU is present.
+void process_chunk_scalar(const TensorPlan& p, int64_t c, const Options& o, Partial& out) {
+  partial_init(out);
+  const int64_t l0 = c * kChunk;
+  const int64_t l1 = std::min(l0 + kChunk, p.numel);
+  if (p.e != nullptr && p.dtype_a != p.dtype_e) {
+    for (int64_t l = l0; l < l1; ++l) accumulate_mixed(out, p, locate(p, l), o);
+    return;
+  }
+  visit_dtype(p.dtype_a, [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    using B = typename Traits<D>::Bits;
+    const B* a = reinterpret_cast<const B*>(p.a);
+    const B* e = reinterpret_cast<const B*>(p.e);
+    for (int64_t l = l0; l < l1; ++l) {
+      const Location loc = locate(p, l);
+      const uint64_t key = hash_key(static_cast<uint64_t>(loc.g));
+      if (e == nullptr) {
+        accumulate_element<D, false>(out, a[loc.off_a], B{0}, loc.g, key, o);
+      } else {
+        accumulate_element<D, true>(out, a[loc.off_a], e[loc.off_e], loc.g, key, o);
+      }
+    }
+  });
+}
+
+void process_chunk(const TensorPlan& p, int64_t c, const Options& o, Partial& out) {
+  partial_init(out);
+  const int64_t l0 = c * kChunk;
+  const int64_t l1 = std::min(l0 + kChunk, p.numel);
+  const int last = p.ndim - 1;
+  const int64_t sa = p.stride_a[last];
+  const int64_t se = p.stride_e[last];
+  if (p.e != nullptr && p.dtype_a != p.dtype_e) {
+    // Mixed dtypes are rare (a dtype change is itself a finding): the scalar path.
+    for (int64_t l = l0; l < l1; ++l) accumulate_mixed(out, p, locate(p, l), o);
+    return;
+  }
+  visit_dtype(p.dtype_a, [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    using B = typename Traits<D>::Bits;
+    const B* a = reinterpret_cast<const B*>(p.a);
+    if (p.e == nullptr) {
+      for_each_run(p, l0, l1, [&](int64_t oa, int64_t, const Run& run) {
+        run_single<D>(a + oa, sa, run, o, out);
+      });
+    } else {
+      const B* e = reinterpret_cast<const B*>(p.e);
+      for_each_run(p, l0, l1, [&](int64_t oa, int64_t oe, const Run& run) {
+        run_pair_same<D>(a + oa, sa, e + oe, se, run, o, out);
+      });
+    }
+  });
+}
+
+// Below this many elements a call runs on the calling thread (thread start-up would dominate).
+constexpr int64_t kMinElementsPerThread = int64_t{1} << 20;
+
+std::vector<Partial> run_plans(const std::vector<TensorPlan>& plans, const Options& o,
+                               bool scalar = false) {
+  const size_t n = plans.size();
+  std::vector<int64_t> first_chunk(n + 1, 0);
+  int64_t total_elements = 0;
+  for (size_t t = 0; t < n; ++t) {
+    first_chunk[t + 1] = first_chunk[t] + plan_chunks(plans[t]);
+    total_elements += plans[t].numel;
+  }
+  const int64_t total_chunks = first_chunk[n];
+  std::vector<Partial> parts(static_cast<size_t>(total_chunks));
+
+  // Chunk ranges [begin, end) of the global chunk list, one per worker.
+  auto work = [&](int64_t begin, int64_t end) {
+    FpEnvGuard fp_env;
+    size_t t = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) - first_chunk.begin() - 1;
+    for (int64_t c = begin; c < end; ++c) {
+      while (c >= first_chunk[t + 1]) ++t;
+      Partial& part = parts[static_cast<size_t>(c)];
+      if (scalar) {
+        process_chunk_scalar(plans[t], c - first_chunk[t], o, part);
+      } else {
+        process_chunk(plans[t], c - first_chunk[t], o, part);
+      }
+    }
+  };
+  const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t workers = std::min({max_threads, std::max<int64_t>(1, total_elements / kMinElementsPerThread),
+                                    std::max<int64_t>(1, total_chunks)});
+  if (workers <= 1) {
+    work(0, total_chunks);
+  } else {
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
+    for (int64_t w = 1; w < workers; ++w) {
+      threads.emplace_back([&, w] {
+        try {
+          work(total_chunks * w / workers, total_chunks * (w + 1) / workers);
+        } catch (...) {
+          errors[static_cast<size_t>(w)] = std::current_exception();
+        }
+      });
+    }
+    try {
+      work(0, total_chunks / workers);
+    } catch (...) {
+      errors[0] = std::current_exception();
+    }
+    for (std::thread& th : threads) th.join();
+    for (const std::exception_ptr& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+  }
+
+  // Second phase: combine each tensor's chunk partials in chunk order (fixed, so deterministic).
+  std::vector<Partial> out(n);
+  for (size_t t = 0; t < n; ++t) {
+    partial_init(out[t]);
+    for (int64_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) {
+      partial_combine(out[t], parts[static_cast<size_t>(c)]);
+    }
+  }
+  return out;
+}
+
+void check_tolerances(double rtol, double atol) {
+  TORCH_CHECK_VALUE(rtol >= 0.0 && atol >= 0.0, "fsdpcheck.compare: rtol and atol must be "
+                    "non-negative numbers, got rtol=", rtol, ", atol=", atol);
+}
+
+at::Tensor rows_to_tensor(const std::vector<Partial>& rows) {
+  at::Tensor out = at::empty({static_cast<int64_t>(rows.size()), kPartialWords}, at::kLong);
+  if (!rows.empty()) std::memcpy(out.data_ptr(), rows.data(), rows.size() * sizeof(Partial));
+  return out;
+}
+
+at::Tensor compare_cpu(at::TensorList actual, at::TensorList expected, at::IntArrayRef box_shapes,
+                       at::IntArrayRef box_offsets, double rtol, double atol, bool equal_nan,
+                       bool fingerprints, bool stats) {
+  check_tolerances(rtol, atol);
+  const std::vector<TensorPlan> plans =
+      make_plans("compare", actual, &expected, box_shapes, box_offsets);
+  const Options o{CompareParams{rtol, atol, equal_nan}, fingerprints, stats};
+  return rows_to_tensor(run_plans(plans, o));
+}
+
+at::Tensor reference_cpu(at::TensorList actual, at::TensorList expected,
+                         at::IntArrayRef box_shapes, at::IntArrayRef box_offsets, double rtol,
+                         double atol, bool equal_nan, bool fingerprints, bool stats, bool single) {
+  check_tolerances(rtol, atol);
+  const std::vector<TensorPlan> plans = make_plans("_reference", actual, single ? nullptr : &expected,
+                                                   box_shapes, box_offsets);
+  const Options o{CompareParams{rtol, atol, equal_nan}, fingerprints, stats};
+  return rows_to_tensor(run_plans(plans, o, /*scalar=*/true));
+}
+
+at::Tensor fingerprint_cpu(at::TensorList tensors, at::IntArrayRef box_shapes,
+                           at::IntArrayRef box_offsets) {
+  const std::vector<TensorPlan> plans =
+      make_plans("fingerprint", tensors, nullptr, box_shapes, box_offsets);
+  const Options o{CompareParams{0.0, 0.0, true}, true, false};
+  const std::vector<Partial> rows = run_plans(plans, o);
+  at::Tensor out = at::empty({static_cast<int64_t>(rows.size())}, at::kLong);
+  int64_t* dst = out.data_ptr<int64_t>();
+  for (size_t t = 0; t < rows.size(); ++t) dst[t] = static_cast<int64_t>(rows[t].fp_a);
+  return out;
+}
+
+[[maybe_unused]] const bool kRegistered = (register_backend("cpu", "simd=" + simd::level()), true);
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fsdpcheck, CPU, m) {
+  m.impl("compare", &compare_cpu);
+  m.impl("fingerprint", &fingerprint_cpu);
+  m.impl("_reference", &reference_cpu);
+}
+
+}  // namespace fsdpcheck

@@ -1,0 +1,31 @@
+// Host-side planning shared by the CPU and CUDA implementations: input validation, the mapping
+// from a local tensor (sizes, strides, box) to coalesced index spaces, and the chunk split.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fsdpcheck/elementwise.h"
+
+namespace fsdpcheck {
+
+// Validates the inputs of an op (raising ValueError/TypeError naming the offending pair) and plans
+// every input. `expected` may be null (single-tensor mode). Box shapes/offsets are the
+// concatenation of one entry per dim of each tensor, or both empty for "every tensor is whole".
+std::vector<TensorPlan> make_plans(const char* op, c10::ArrayRef<at::Tensor> actual,
+                                   const c10::ArrayRef<at::Tensor>* expected,
+                                   c10::IntArrayRef box_shapes, c10::IntArrayRef box_offsets);
+
+// The common device of all inputs; raises naming the first tensor that differs.
+c10::Device common_device(const char* op, c10::ArrayRef<at::Tensor> actual,
+                          const c10::ArrayRef<at::Tensor>* expected);
+
+// Registry of compiled backends, for build_info(): each implementation adds itself at load time.
+void register_backend(const std::string& name, const std::string& detail);
+std::string backends_summary();
+
+}  // namespace fsdpcheck

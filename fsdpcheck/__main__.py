@@ -1,0 +1,5 @@
+import sys
+
+from fsdpcheck.cli import main
+
+sys.exit(main())

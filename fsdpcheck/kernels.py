@@ -1,0 +1,367 @@
+"""The public kernel API: fused multi-tensor compare and Fingerprint v1.
+
+These functions check their inputs, group them by device and make one operator call per device;
+the operators read every input exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fsdpcheck import ops
+from fsdpcheck._ext import _C
+from fsdpcheck.box import Box, unravel
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "TensorDiff",
+    "build_info",
+    "compare",
+    "fingerprint_tensor",
+    "fingerprint_tensors",
+]
+
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    }
+)
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class TensorDiff:
+    """What ``compare`` found for one pair of tensors.
+
+    Indices are global multi-indices in the pair's box (the whole tensor when no box was given).
+    Differences are taken over the elements where neither side is NaN; when there is no such
+    element (an empty or all-NaN tensor) both maxima are 0.0 and their indices are None. Ties go
+    to the smallest global index.
+
+    Attributes:
+        numel: Number of elements compared.
+        mismatched: Elements failing ``|a - e| <= atol + rtol * |e|`` (NaN and infinity rules in
+            the README).
+        nan_actual: NaNs in ``actual``.
+        nan_expected: NaNs in ``expected``.
+        inf_actual: Infinities in ``actual``.
+        inf_expected: Infinities in ``expected``.
+        max_abs_diff: Greatest ``|a - e|``.
+        max_abs_index: Global index of ``max_abs_diff``.
+        max_rel_diff: Greatest ``|a - e| / |e|`` (inf where ``e`` is 0 or infinite and ``a != e``).
+        max_rel_index: Global index of ``max_rel_diff``.
+        fingerprint_actual: Fingerprint v1 of ``actual`` at its box, or None if not computed.
+        fingerprint_expected: Fingerprint v1 of ``expected`` at the same box, or None.
+        sum: Sum of ``actual`` in float64, or None if statistics were not computed.
+        sumsq: Sum of squares of ``actual`` in float64, or None.
+        zeros: Number of elements of ``actual`` equal to zero, or None.
+    """
+
+    numel: int
+    mismatched: int
+    nan_actual: int
+    nan_expected: int
+    inf_actual: int
+    inf_expected: int
+    max_abs_diff: float
+    max_abs_index: tuple[int, ...] | None
+    max_rel_diff: float
+    max_rel_index: tuple[int, ...] | None
+    fingerprint_actual: int | None
+    fingerprint_expected: int | None
+    sum: float | None
+    sumsq: float | None
+    zeros: int | None
+
+    @property
+    def ok(self) -> bool:
+        """True when no element mismatched."""
+        return self.mismatched == 0
+
+
+def compare(
+    actual: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    equal_nan: bool = True,
+    boxes: Sequence[Box | None] | None = None,
+    fingerprints: bool = True,
+    stats: bool = True,
+) -> list[TensorDiff]:
+    """Compares many pairs of tensors in one pass over each input.
+
+    An element mismatches unless ``|a - e| <= atol + rtol * |e|`` in float64. Equal infinities
+    match, an infinity matches nothing else, NaN matches NaN only when ``equal_nan``, and integer
+    pairs are compared exactly. The defaults (``rtol = atol = 0``) ask for exact equality: a
+    checkpoint load is a copy.
+
+    Args:
+        actual: Tensors to check (e.g. the local shards after a load).
+        expected: Reference tensors, pairwise of the same shape and device as ``actual``; dtypes
+            may differ. Non-contiguous views (a slice of a full reference) are read in place.
+        rtol: Relative tolerance (>= 0).
+        atol: Absolute tolerance (>= 0).
+        equal_nan: Whether NaN in both tensors at the same place counts as a match.
+        boxes: Per pair, where the tensors sit in their global tensor (``None`` entries, or
+            ``boxes=None``, mean the tensor is the whole tensor). Indices in the result and the
+            fingerprints are global.
+        fingerprints: Compute Fingerprint v1 of both sides. ``False`` is the fastest mode.
+        stats: Compute ``sum``, ``sumsq`` and ``zeros`` of ``actual``.
+
+    Returns:
+        One ``TensorDiff`` per pair, in order.
+
+    Raises:
+        TypeError: A non-tensor input, an unsupported dtype (complex, ...) or a DTensor.
+        ValueError: Lists of different lengths, a pair with different shapes or devices, a box
+            that does not contain its tensor, a negative tolerance.
+    """
+    actual, expected = list(actual), list(expected)
+    if len(actual) != len(expected):
+        raise ValueError(
+            f"fsdpcheck.compare: got {len(actual)} actual tensors but {len(expected)} expected"
+        )
+    if not (rtol >= 0.0 and atol >= 0.0):
+        raise ValueError(f"fsdpcheck.compare: rtol and atol must be >= 0, got {rtol}, {atol}")
+    box_list = _check_boxes(boxes, len(actual), "compare")
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        _check_tensor(a, f"actual[{i}]", "compare")
+        _check_tensor(e, f"expected[{i}]", "compare")
+        if a.shape != e.shape:
+            raise ValueError(
+                f"fsdpcheck.compare: pair {i} has shapes {tuple(a.shape)} (actual) and "
+                f"{tuple(e.shape)} (expected)"
+            )
+        if a.device != e.device:
+            raise ValueError(
+                f"fsdpcheck.compare: pair {i} is on {a.device} (actual) and {e.device} "
+                "(expected); move both to one device"
+            )
+    resolved = [_resolve_box(a, b, i, "compare") for i, (a, b) in enumerate(zip(actual, box_list))]
+
+    out: list[TensorDiff] = []
+    rows: dict[int, tuple[list[int], list[float]]] = {}
+    for idx in _group_by_device(actual).values():
+        group = [actual[i] for i in idx]
+        shapes, offsets = _flat_boxes(group, [resolved[i] for i in idx])
+        with torch.no_grad():
+            table = ops.compare_rows(
+                group,
+                [expected[i] for i in idx],
+                shapes,
+                offsets,
+                rtol,
+                atol,
+                equal_nan,
+                fingerprints,
+                stats,
+            ).cpu()
+        for i, words, floats in zip(idx, table.tolist(), table.view(torch.float64).tolist()):
+            rows[i] = (words, floats)
+    for i, a in enumerate(actual):
+        words, floats = rows[i]
+        out.append(_to_diff(a, resolved[i], words, floats, fingerprints, stats))
+    return out
+
+
+def fingerprint_tensors(
+    tensors: Sequence[torch.Tensor], *, boxes: Sequence[Box | None] | None = None
+) -> list[int]:
+    """Fingerprint v1 of many tensors in one pass.
+
+    Args:
+        tensors: Local tensors, any supported dtype, any device, any strides.
+        boxes: Per tensor, where it sits in its global tensor (``None``: the whole tensor).
+            Fingerprints of disjoint boxes that tile a tensor add up, mod 2**64, to the whole
+            tensor's fingerprint.
+
+    Returns:
+        One int in ``[0, 2**64)`` per tensor.
+
+    Raises:
+        TypeError: A non-tensor or unsupported dtype.
+        ValueError: A box that does not contain its tensor.
+    """
+    tensors = list(tensors)
+    box_list = _check_boxes(boxes, len(tensors), "fingerprint_tensors")
+    for i, t in enumerate(tensors):
+        _check_tensor(t, f"tensors[{i}]", "fingerprint_tensors")
+    resolved = [
+        _resolve_box(t, b, i, "fingerprint_tensors")
+        for i, (t, b) in enumerate(zip(tensors, box_list))
+    ]
+    out = [0] * len(tensors)
+    for idx in _group_by_device(tensors).values():
+        group = [tensors[i] for i in idx]
+        shapes, offsets = _flat_boxes(group, [resolved[i] for i in idx])
+        with torch.no_grad():
+            values = ops.fingerprint_rows(group, shapes, offsets)
+        for i, v in zip(idx, values.tolist()):
+            out[i] = v & _MASK64
+    return out
+
+
+def fingerprint_tensor(t: torch.Tensor, *, box: Box | None = None) -> int:
+    """Fingerprint v1 of one tensor at its box (see ``fingerprint_tensors``)."""
+    return fingerprint_tensors([t], boxes=[box])[0]
+
+
+def build_info() -> dict[str, object]:
+    """Which backends were compiled, and for which torch.
+
+    Returns:
+        A dict with ``backends`` (backend name -> details, e.g. ``{"cpu": "simd=x86-64-v3"}``),
+        ``torch_built_against``, ``torch`` (the running version) and ``cuda_available``.
+    """
+    backends: dict[str, str] = {}
+    built_against = ""
+    for line in _C.build_info().splitlines():
+        name, _, detail = line.partition("\t")
+        if name == "torch":
+            built_against = detail
+        else:
+            backends[name] = detail
+    return {
+        "backends": backends,
+        "torch_built_against": built_against,
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+
+
+def _check_tensor(t: object, where: str, fn: str) -> None:
+    # The common case, checked without the slower generic tests below.
+    if (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.dtype in SUPPORTED_DTYPES
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+    ):
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fsdpcheck.{fn}: {where} is a {type(t).__name__}, not a torch.Tensor")
+    if _is_dtensor(t):
+        raise TypeError(
+            f"fsdpcheck.{fn}: {where} is a DTensor; pass its local tensor (t.to_local()) with its "
+            "Box, or use fsdpcheck.verify, which works out the boxes from the placements"
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"fsdpcheck.{fn}: {where} has dtype {t.dtype}, which is not supported (supported: "
+            + ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+            + ")"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(f"fsdpcheck.{fn}: {where} has layout {t.layout}; only strided tensors")
+    if t.device.type == "meta":
+        raise ValueError(f"fsdpcheck.{fn}: {where} is on the meta device and holds no data")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _check_boxes(boxes: Sequence[Box | None] | None, n: int, fn: str) -> list[Box | None]:
+    if boxes is None:
+        return [None] * n
+    box_list = list(boxes)
+    if len(box_list) != n:
+        raise ValueError(f"fsdpcheck.{fn}: got {n} tensors but {len(box_list)} boxes")
+    for i, b in enumerate(box_list):
+        if b is not None and not isinstance(b, Box):
+            raise TypeError(f"fsdpcheck.{fn}: boxes[{i}] is a {type(b).__name__}, not a Box")
+    return box_list
+
+
+def _resolve_box(t: torch.Tensor, box: Box | None, i: int, fn: str) -> Box | None:
+    """The checked box of tensor i; None (the whole tensor) stays None."""
+    if box is None:
+        return None
+    if not box.contains(tuple(t.shape)):
+        raise ValueError(
+            f"fsdpcheck.{fn}: boxes[{i}] (global shape {box.shape}, offset {box.offset}) does not "
+            f"contain a local tensor of shape {tuple(t.shape)}"
+        )
+    numel = 1
+    for s in box.shape:
+        numel *= s
+    if numel >= 1 << 63:
+        raise ValueError(f"fsdpcheck.{fn}: boxes[{i}] has a global shape of 2**63 elements or more")
+    return box
+
+
+def _flat_boxes(
+    tensors: list[torch.Tensor], boxes: list[Box | None]
+) -> tuple[list[int], list[int]]:
+    """Concatenated box shapes and offsets; empty lists when every tensor is whole."""
+    shapes: list[int] = []
+    offsets: list[int] = []
+    if all(b is None for b in boxes):
+        return shapes, offsets
+    for t, b in zip(tensors, boxes):
+        if b is None:
+            shapes.extend(t.shape)
+            offsets.extend([0] * t.dim())
+        else:
+            assert b.offset is not None
+            shapes.extend(b.shape)
+            offsets.extend(b.offset)
+    return shapes, offsets
+
+
+def _group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return groups
+
+
+def _to_diff(
+    t: torch.Tensor,
+    box: Box | None,
+    words: list[int],
+    floats: list[float],
+    fingerprints: bool,
+    stats: bool,
+) -> TensorDiff:
+    """One output row of the operator (columns: ops.COLUMNS) as a TensorDiff."""
+    # Positional and with literal columns: this runs once per tensor, often thousands of times.
+    shape = t.shape if box is None else box.shape
+    abs_i, rel_i = words[9], words[11]
+    return TensorDiff(
+        t.numel(),
+        words[0],
+        words[1],
+        words[2],
+        words[3],
+        words[4],
+        floats[8] if abs_i >= 0 else 0.0,
+        unravel(abs_i, shape) if abs_i >= 0 else None,
+        floats[10] if rel_i >= 0 else 0.0,
+        unravel(rel_i, shape) if rel_i >= 0 else None,
+        words[6] & _MASK64 if fingerprints else None,
+        words[7] & _MASK64 if fingerprints else None,
+        floats[12] if stats else None,
+        floats[13] if stats else None,
+        words[5] if stats else None,
+    )

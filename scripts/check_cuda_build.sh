@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Compiles the CUDA implementation against a CUDA build of torch (warnings are errors), on a
+# machine without a GPU, and runs the test suite with that build (CUDA tests skip cleanly).
+#
+#   FSDPCHECK_CUDA_VENV   the venv for this check (default .venv-cuda)
+#   FSDPCHECK_CUDA_TORCH  the CUDA torch to install (default torch==2.14.1)
+#   FSDPCHECK_CUDA_ARCHS  CUDA architectures to compile for (default 90)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${FSDPCHECK_CUDA_VENV:-.venv-cuda}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip_quiet() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true; }
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  echo "cuda-build: installing ${FSDPCHECK_CUDA_TORCH:-torch==2.14.1} into $VENV"
+  pip_quiet "${FSDPCHECK_CUDA_TORCH:-torch==2.14.1}"
+fi
+pip_quiet numpy pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10"
+mkdir -p build; LOG=build/cuda-build.log
+echo "cuda-build: compiling ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), nvcc: $(command -v nvcc || echo none))"
+FSDPCHECK_CUDA=ON FSDPCHECK_WERROR=ON FSDPCHECK_CUDA_ARCHS=${FSDPCHECK_CUDA_ARCHS:-90} \
+  "$VENV/bin/pip" install --disable-pip-version-check --no-build-isolation -C build-dir=build/cuda \
+  -e . > "$LOG" 2>&1 || { grep -v "is ignored" "$LOG" | tail -60; exit 1; }
+"$VENV/bin/python" - <<'PY'
+import fsdpcheck
+info = fsdpcheck.build_info()
+assert "cuda" in info["backends"], info
+print("cuda-build: ok", info["backends"], "torch", info["torch"])
+PY
+"$VENV/bin/python" -m pytest -q

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh), then runs the embedded demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh > /dev/null
+VENV=${FSDPCHECK_VENV:-.venv}
+exec "$VENV/bin/python" -m fsdpcheck demo "$@"

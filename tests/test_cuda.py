@@ -1,0 +1,152 @@
+"""The CUDA implementation gives the CPU's answers (skipped cleanly without a CUDA device)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fsdpcheck
+from tests.cases import ALL_DTYPES, CHUNK, Case, assert_diff_matches, cases, make_values, perturb
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _exact(d: fsdpcheck.TensorDiff) -> tuple:
+    return (
+        d.numel,
+        d.mismatched,
+        d.nan_actual,
+        d.nan_expected,
+        d.inf_actual,
+        d.inf_expected,
+        d.max_abs_diff,
+        d.max_abs_index,
+        d.max_rel_diff,
+        d.max_rel_index,
+        d.fingerprint_actual,
+        d.fingerprint_expected,
+        d.zeros,
+    )
+
+
+def _both(cs: list[Case], **kw) -> tuple[list[fsdpcheck.TensorDiff], list[fsdpcheck.TensorDiff]]:
+    boxes = [c.box for c in cs]
+    cpu = fsdpcheck.compare([c.actual for c in cs], [c.expected for c in cs], boxes=boxes, **kw)
+    gpu = fsdpcheck.compare(
+        [_to_cuda_view(c.actual) for c in cs],
+        [_to_cuda_view(c.expected) for c in cs],
+        boxes=boxes,
+        **kw,
+    )
+    return cpu, gpu
+
+
+def _to_cuda_view(t: torch.Tensor) -> torch.Tensor:
+    """The same strided view, on the GPU (copies the underlying storage, keeps the strides)."""
+    numel = t.untyped_storage().nbytes() // t.element_size()
+    whole = torch.as_strided(t, (numel,), (1,), 0).cuda()
+    return whole.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _assert_same(cpu: fsdpcheck.TensorDiff, gpu: fsdpcheck.TensorDiff) -> None:
+    assert _exact(cpu) == _exact(gpu), f"cpu {cpu} vs cuda {gpu}"
+    if cpu.sum is not None:
+        for x, y in ((cpu.sum, gpu.sum), (cpu.sumsq, gpu.sumsq)):
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-9, abs=1e-12)
+
+
+@given(cases())
+def test_cuda_matches_reference_and_cpu(c: Case):
+    (cpu,), (gpu,) = _both([c], rtol=c.rtol, atol=c.atol, equal_nan=c.equal_nan)
+    assert_diff_matches(gpu, c.reference(), c.gshape, "cuda")
+    _assert_same(cpu, gpu)
+
+
+@given(st.lists(cases(max_numel=700), min_size=1, max_size=16))
+def test_cuda_many_pairs_one_launch(cs: list[Case]):
+    cpu, gpu = _both(cs, rtol=0.1)
+    for x, y in zip(cpu, gpu):
+        _assert_same(x, y)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 4095, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 9])
+@pytest.mark.parametrize("misalign", [0, 1])
+def test_cuda_sizes_alignment_and_tails(dtype, n, misalign):
+    gen = torch.Generator().manual_seed(n + misalign)
+    a = make_values((n + misalign,), dtype, gen)
+    e = perturb(a, 9, gen, 1e-3)
+    # misalign=1 starts the views one element in: no 16-byte vector loads, the scalar path.
+    c = Case(a[misalign:], e[misalign:], None, 0.0, 0.0, True)
+    cpu = fsdpcheck.compare([c.actual], [c.expected])[0]
+    gpu = fsdpcheck.compare([a.cuda()[misalign:]], [e.cuda()[misalign:]])[0]
+    _assert_same(cpu, gpu)
+    assert_diff_matches(gpu, c.reference(), c.gshape, "cuda")
+    assert fsdpcheck.fingerprint_tensor(a.cuda()[misalign:]) == cpu.fingerprint_actual
+
+
+def test_cuda_fingerprints_equal_cpu_for_every_dtype_and_box():
+    gen = torch.Generator().manual_seed(0)
+    ts, boxes = [], []
+    for dtype in ALL_DTYPES:
+        full = make_values((33, 70), dtype, gen)
+        ts += [full, full[5:9], full[:, 13:40]]
+        boxes += [None, fsdpcheck.Box((33, 70), (5, 0)), fsdpcheck.Box((33, 70), (0, 13))]
+    cpu = fsdpcheck.fingerprint_tensors(ts, boxes=boxes)
+    gpu = fsdpcheck.fingerprint_tensors([t.cuda() for t in ts], boxes=boxes)
+    assert cpu == gpu
+
+
+def test_cuda_huge_offsets_and_determinism():
+    t = torch.randn(5000, device="cuda")
+    e = t.clone()
+    e[4321] += 1
+    box = fsdpcheck.Box((2**40,), (2**40 - 5000,))
+    runs = [fsdpcheck.compare([t], [e], boxes=[box])[0] for _ in range(3)]
+    assert runs[0].max_abs_index == (2**40 - 5000 + 4321,)
+    assert all(repr(r) == repr(runs[0]) for r in runs)
+    (cpu,) = fsdpcheck.compare([t.cpu()], [e.cpu()], boxes=[box])
+    _assert_same(cpu, runs[0])
+
+
+def test_cuda_mixed_devices_are_grouped_in_one_call():
+    a = [torch.randn(10), torch.randn(10, device="cuda")]
+    e = [a[0].clone(), a[1].clone()]
+    e[1][3] = 0
+    out = fsdpcheck.compare(a, e)
+    assert out[0].ok and out[1].max_abs_index == (3,)
+
+
+def test_cuda_pair_on_two_devices_is_refused():
+    with pytest.raises(ValueError, match="move both to one device"):
+        fsdpcheck.compare([torch.zeros(3)], [torch.zeros(3, device="cuda")])
+
+
+def test_cuda_runs_on_current_stream():
+    s = torch.cuda.Stream()
+    a = torch.randn(1 << 20, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        e = a.clone()  # enqueued on s: compare must be ordered after it on the same stream
+        (d,) = fsdpcheck.compare([a], [e])
+    assert d.ok
+
+
+def test_cuda_opcheck():
+    a = [torch.randn(5, 3, device="cuda"), torch.randint(0, 5, (4,), device="cuda")]
+    e = [x.clone() for x in a]
+    torch.library.opcheck(
+        torch.ops.fsdpcheck.compare.default, (a, e, [], [], 0.0, 0.0, True, True, True)
+    )
+    torch.library.opcheck(torch.ops.fsdpcheck.fingerprint.default, (a, [], []))
+
+
+def test_cuda_backend_compiled():
+    assert "cuda" in fsdpcheck.build_info()["backends"]
