@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 import fsdpcheck
 from tests.cases import ALL_DTYPES, CHUNK, Case, assert_diff_matches, cases, make_values, perturb
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+pytestmark = pytest.mark.cuda
 
 
 def _exact(d: fsdpcheck.TensorDiff) -> tuple:

@@ -1,0 +1,170 @@
+"""Combining per-key statistics across ranks with a constant number of collectives.
+
+Every rank must make the same collectives in the same order, or the job hangs: the functions here
+are called unconditionally by every rank, whatever happened locally (a local error is data, not
+an exception).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+INT64_MAX = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+# Columns of the summed counts.
+COUNTS = ("numel", "mismatched", "nan_a", "nan_e", "inf_a", "inf_e", "zeros", "errors", "holders")
+
+
+@dataclass
+class KeyStats:
+    """This rank's statistics for one key (over all its pieces)."""
+
+    numel: int = 0
+    mismatched: int = 0
+    nan_a: int = 0
+    nan_e: int = 0
+    inf_a: int = 0
+    inf_e: int = 0
+    zeros: int = 0
+    errors: int = 0
+    holders: int = 0  # 1 when this rank holds data of the key
+    max_abs: float = -1.0
+    max_abs_idx: int = -1
+    max_rel: float = -1.0
+    max_rel_idx: int = -1
+    # Fingerprint of this rank's copy of a replicated value and the box it covers (its linear
+    # offset), to compare the ranks that hold the same elements.
+    replica_fp: int | None = None
+    replica_box: int = -1
+
+
+@dataclass
+class Combined:
+    """One key's statistics over all ranks."""
+
+    counts: dict[str, int]
+    max_abs: float
+    max_abs_idx: int
+    max_abs_rank: int
+    max_rel: float
+    max_rel_idx: int
+    max_rel_rank: int
+    # Ranks grouped by the content of their copy, when copies of the same box disagree.
+    replica_groups: list[list[int]] | None = None
+
+
+class Comm:
+    """The process group fsdpcheck talks over (or a single process without one)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.enabled else 0
+        self.world = dist.get_world_size(group) if self.enabled else 1
+        self.device = torch.device("cpu")
+        if self.enabled and dist.get_backend(group) == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+        """All-reduce of a CPU tensor (moved to the backend's device and back)."""
+        if not self.enabled:
+            return t
+        x = t.to(self.device, copy=True)  # never reduce the caller's tensor in place
+        dist.all_reduce(x, op=op, group=self.group)
+        return x.cpu()
+
+
+def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combined], list[Any]]:
+    """Combines each key's statistics over all ranks: 4 all-reduces and 1 all-gather in all.
+
+    The all-gather carries two words per replicated key per rank (replica fingerprints) and the
+    small `extra` objects; everything else is reduced.
+
+    Args:
+        comm: The group.
+        stats: This rank's statistics, one per key, in the order every rank agreed on.
+        extra: A small picklable object of this rank's (its errors, bytes read, time).
+
+    Returns:
+        One Combined per key, identical on every rank (maxima tie to the smallest global index,
+        then the smallest rank), and every rank's `extra` in rank order.
+    """
+    k = len(stats)
+    counts = torch.tensor([[getattr(s, c) for c in COUNTS] for s in stats], dtype=torch.int64)
+    counts = counts.reshape(k, len(COUNTS))
+    maxima = torch.tensor([[s.max_abs, s.max_rel] for s in stats], dtype=torch.float64)
+    maxima = maxima.reshape(k, 2)
+    counts = comm.all_reduce(counts, dist.ReduceOp.SUM)
+    gmax = comm.all_reduce(maxima.clone(), dist.ReduceOp.MAX)
+
+    # Smallest global index among the ranks holding the maximum.
+    cand = torch.full((k, 2), INT64_MAX, dtype=torch.int64)
+    for i, s in enumerate(stats):
+        if s.max_abs_idx >= 0 and s.max_abs == gmax[i, 0].item():
+            cand[i, 0] = s.max_abs_idx
+        if s.max_rel_idx >= 0 and s.max_rel == gmax[i, 1].item():
+            cand[i, 1] = s.max_rel_idx
+    gmin = comm.all_reduce(cand, dist.ReduceOp.MIN)
+
+    # The smallest rank holding that element.
+    who = torch.full((k, 2), INT64_MAX, dtype=torch.int64)
+    for i in range(k):
+        if cand[i, 0] != INT64_MAX and cand[i, 0] == gmin[i, 0]:
+            who[i, 0] = comm.rank
+        if cand[i, 1] != INT64_MAX and cand[i, 1] == gmin[i, 1]:
+            who[i, 1] = comm.rank
+    gwho = comm.all_reduce(who, dist.ReduceOp.MIN)
+    # Replicas: every rank's (box, fingerprint) per key, compared among ranks with the same box.
+    # One all-gather of two words per key per rank, together with the small extras.
+    replicas = [
+        (s.replica_box, _signed(s.replica_fp)) if s.replica_fp is not None else None for s in stats
+    ]
+    gathered = comm.all_gather_object((replicas, extra))
+    extras = [e for _, e in gathered]
+
+    out = []
+    counts_l, gmax_l, gmin_l, gwho_l = counts.tolist(), gmax.tolist(), gmin.tolist(), gwho.tolist()
+    for i in range(k):
+        out.append(
+            Combined(
+                counts=dict(zip(COUNTS, counts_l[i])),
+                max_abs=gmax_l[i][0],
+                max_abs_idx=gmin_l[i][0] if gmin_l[i][0] != INT64_MAX else -1,
+                max_abs_rank=gwho_l[i][0] if gwho_l[i][0] != INT64_MAX else -1,
+                max_rel=gmax_l[i][1],
+                max_rel_idx=gmin_l[i][1] if gmin_l[i][1] != INT64_MAX else -1,
+                max_rel_rank=gwho_l[i][1] if gwho_l[i][1] != INT64_MAX else -1,
+                replica_groups=_disagreeing([g[0][i] for g in gathered]),
+            )
+        )
+    return out, extras
+
+
+def _disagreeing(copies: list[tuple[int, int] | None]) -> list[list[int]] | None:
+    """Ranks grouped by content for the first box whose copies differ, else None."""
+    by_box: dict[int, dict[int, list[int]]] = {}
+    for rank, c in enumerate(copies):
+        if c is not None:
+            by_box.setdefault(c[0], {}).setdefault(c[1], []).append(rank)
+    for box in sorted(by_box):
+        if len(by_box[box]) > 1:
+            return sorted(by_box[box].values(), key=lambda ranks: (-len(ranks), ranks))
+    return None
+
+
+def _signed(u: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    u &= _MASK64
+    return u - (1 << 64) if u >= 1 << 63 else u

@@ -1,0 +1,99 @@
+"""What every reference reader provides: entries with structural paths, and box reads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a reference checkpoint.
+
+    Attributes:
+        key: The checkpoint's own key (what its files call it).
+        path: The key as a structural path, e.g. ``("model", "layers.0.w")`` or
+            ``("optim", "state", "layers.0.w", "exp_avg")``; used to tell model, optimizer state
+            and param_groups entries apart without guessing at dots inside FQNs.
+        shape: Global shape (tensors only).
+        dtype: Dtype (tensors only).
+        is_tensor: False for non-tensor objects (hyperparameters, lists).
+    """
+
+    key: str
+    path: tuple[str, ...]
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    is_tensor: bool = True
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of a reference tensor to read: per-dim offset and size."""
+
+    key: str
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the region."""
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+
+class Source(ABC):
+    """A reference checkpoint, read box by box."""
+
+    #: "dcp", "torch.save", "safetensors" or "memory".
+    kind: str = ""
+    #: Where it came from, for messages.
+    description: str = ""
+
+    @abstractmethod
+    def entries(self) -> dict[str, Entry]:
+        """Every entry, by the checkpoint's key."""
+
+    @abstractmethod
+    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+        """The regions' values on `device`, each of shape ``region.size``, in the entry's dtype.
+
+        Implementations read only what overlaps the regions (as far as the format allows) and
+        may return views of data already on `device`.
+        """
+
+    def read_object(self, key: str) -> Any:
+        """A non-tensor entry's value."""
+        raise KeyError(key)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases files (optional)."""
+
+
+def slices(region: Region) -> tuple[slice, ...]:
+    """Index expression of a region."""
+    return tuple(slice(o, o + s) for o, s in zip(region.offset, region.size))
+
+
+def nested_entries(obj: Any, path: tuple[str, ...], out: dict[str, tuple[tuple[str, ...], Any]]):
+    """Flattens nested dicts/lists of a loaded state dict into ``{dotted key: (path, value)}``.
+
+    Lists of non-tensors (e.g. ``params`` in param_groups) stay one value; lists holding tensors
+    are walked.
+    """
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            nested_entries(v, (*path, str(k)), out)
+    elif isinstance(obj, (list, tuple)) and any(
+        isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj
+    ):
+        for i, v in enumerate(obj):
+            nested_entries(v, (*path, str(i)), out)
+    else:
+        out[".".join(path)] = (path, obj)

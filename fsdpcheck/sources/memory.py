@@ -1,0 +1,54 @@
+"""An in-memory reference: a mapping of full tensors (possibly nested) or a full nn.Module."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fsdpcheck.sources.base import Entry, Region, Source, nested_entries, slices
+
+
+class MemorySource(Source):
+    """Full tensors on any device; boxes are views, copied only when on another device."""
+
+    kind = "memory"
+
+    def __init__(self, obj: Mapping[str, Any] | torch.nn.Module) -> None:
+        self.requires_grad: dict[str, bool] = {}
+        if isinstance(obj, torch.nn.Module):
+            self.description = f"in-memory {type(obj).__name__}"
+            self.requires_grad = {n: p.requires_grad for n, p in obj.named_parameters()}
+            obj = obj.state_dict(keep_vars=True)
+        else:
+            self.description = "in-memory state dict"
+        flat: dict[str, tuple[tuple[str, ...], Any]] = {}
+        nested_entries(dict(obj), (), flat)
+        self._values: dict[str, Any] = {}
+        self._entries: dict[str, Entry] = {}
+        for key, (path, value) in flat.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+                self._entries[key] = Entry(key, path, tuple(value.shape), value.dtype)
+            else:
+                self._entries[key] = Entry(key, path, is_tensor=False)
+            self._values[key] = value
+
+    def entries(self) -> dict[str, Entry]:
+        """Every leaf of the mapping."""
+        return self._entries
+
+    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+        """Views of the reference; a copy of just the box when it lives on another device."""
+        out = []
+        for r in regions:
+            t = self._values[r.key]
+            if r.size:
+                t = t[slices(r)]
+            out.append(t if t.device == device else t.to(device))
+        return out
+
+    def read_object(self, key: str) -> Any:
+        """A non-tensor leaf."""
+        return self._values[key]
