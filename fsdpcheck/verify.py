@@ -136,6 +136,7 @@ class _Verifier:
         self.budget = memory_budget
         self.findings: list[Finding] = []
         self.notes: list[str] = []
+        self.live_requires_grad: dict[str, bool] = {}
 
     # ---------------------------------------------------------------------------------------
     def run(self, model: Any, reference: Any, optimizer: Any, t0: float) -> Report:
@@ -198,6 +199,7 @@ class _Verifier:
         """Live keys, the source and the key matching; errors become a message, never raise."""
         try:
             msd, osd = _live_state_dicts(model, optimizer)
+            self.live_requires_grad = _requires_grad(model)
             source = open_source(reference)
             entries = source.entries()
         except Exception as exc:
@@ -369,17 +371,19 @@ class _Verifier:
                     )
                 )
             rg_name = item.ckpt_key if item.ckpt_key in requires_grad else item.fqn
+            live_rg = self.live_requires_grad.get(item.fqn)
             if (
                 rg_name in requires_grad
-                and isinstance(item.value, torch.nn.Parameter)
-                and item.value.requires_grad != requires_grad[rg_name]
+                and live_rg is not None
+                and live_rg != requires_grad[rg_name]
+                and item.key == item.fqn  # parameters, not optimizer state
             ):
                 self.findings.append(
                     Finding(
                         item.key,
                         "requires_grad",
-                        f"requires_grad={item.value.requires_grad} in the model but "
-                        f"{requires_grad[rg_name]} in the reference",
+                        f"requires_grad={live_rg} in the model but {requires_grad[rg_name]} in "
+                        "the reference",
                     )
                 )
 
@@ -574,6 +578,23 @@ def _live_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict 
             )
         return _tensor_leaves(dict(model)), (dict(optimizer) if optimizer is not None else None)
     raise TypeError(f"model must be an nn.Module or a state dict, not {type(model).__name__}")
+
+
+# Components that wrappers (FSDP1, activation checkpointing, DDP, torch.compile) add to names.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def _requires_grad(model: Any) -> dict[str, bool]:
+    """requires_grad of each parameter by its state-dict FQN (wrapper components removed)."""
+    if not isinstance(model, torch.nn.Module):
+        return {k: v.requires_grad for k, v in model.items() if isinstance(v, torch.nn.Parameter)}
+    out = {}
+    for name, p in model.named_parameters():
+        parts = [x for x in name.split(".") if x not in _WRAPPER_PARTS]
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and parts[0] == "module":
+            parts = parts[1:]
+        out[".".join(parts)] = p.requires_grad
+    return out
 
 
 def _tensor_leaves(sd: dict[str, Any]) -> dict[str, Any]:

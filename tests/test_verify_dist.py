@@ -219,3 +219,15 @@ def test_resharded_loads(world, w2, w3):
     f = only_value_finding(r["planted"])
     assert f["key"] == "emb.weight" and f["rank"] == world - 1
     assert f["max_abs_index"] == [6, 5]  # the last row and column live on the last rank
+
+
+def test_layouts_that_are_not_boxes_are_layout_findings(w4):
+    r = w4["layouts"]
+    assert [(f["key"], f["kind"]) for f in r["findings"]] == [
+        ("partial", "layout"),
+        ("strided_1d", "layout"),
+        ("strided_2d", "layout"),
+    ], r["text"]
+    assert "Partial" in r["findings"][0]["message"]
+    assert "not a box" in r["findings"][1]["message"]
+    assert r["keys_checked"] == 4  # box_2d checked and clean

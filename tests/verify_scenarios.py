@@ -383,8 +383,26 @@ def world4(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         bad = report(fsdpcheck.verify(sd, ref))
         return {"kinds": kinds, "clean": clean_r, "bad": bad}
 
+    def layouts() -> Any:
+        from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        mesh1 = init_device_mesh("cpu", (4,))
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        full_t = torch.arange(80.0).reshape(16, 5)
+        sd = {
+            "strided_1d": distribute_tensor(full_t, mesh1, [_StridedShard(0, split_factor=2)]),
+            "strided_2d": distribute_tensor(
+                full_t, mesh2, [Shard(0), _StridedShard(0, split_factor=2)]
+            ),
+            "partial": DTensor.from_local(full_t / 4, mesh1, [Partial()]),
+            "box_2d": distribute_tensor(full_t, mesh2, [Shard(0), Shard(1)]),
+        }
+        return report(fsdpcheck.verify(sd, dict.fromkeys(sd, full_t)))
+
     return run_all(
         {
+            "layouts": layouts,
             "clean": clean,
             "one_element": one_element,
             "swapped": swapped,
