@@ -61,19 +61,36 @@ class Source(ABC):
         """Every entry, by the checkpoint's key."""
 
     @abstractmethod
-    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+    def read(
+        self,
+        regions: Sequence[Region],
+        device: torch.device,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """The regions' values on `device`, each of shape ``region.size``, in the entry's dtype.
 
-        Implementations read only what overlaps the regions (as far as the format allows) and
-        may return views of data already on `device`.
+        Implementations read only what overlaps the regions (as far as the format allows). With
+        `out` (one preallocated tensor per region, of that shape and dtype), they fill and return
+        those; a source may instead return views of data already on `device`.
         """
 
     def read_object(self, key: str) -> Any:
         """A non-tensor entry's value."""
         raise KeyError(key)
 
+    def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
+        """Several non-tensor entries (sources that can batch the reads override this)."""
+        return {k: self.read_object(k) for k in keys}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases files (optional)."""
+
+
+def into(value: torch.Tensor, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """`value` copied into `out` when given, else to `device` (a copy only if needed)."""
+    if out is not None:
+        return out.copy_(value)
+    return value.to(device, copy=value.device.type == "cpu" and device.type == "cpu")
 
 
 def slices(region: Region) -> tuple[slice, ...]:

@@ -62,13 +62,21 @@ class DCPSource(Source):
         assert isinstance(meta, TensorStorageMetadata)
         return [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
 
-    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+    def read(
+        self,
+        regions: Sequence[Region],
+        device: torch.device,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Reads the regions through DCP's storage reader (only overlapping chunks)."""
         dests = []
         items: list[ReadItem] = []
         for i, region in enumerate(regions):
             entry = self._entries[region.key]
-            dests.append(torch.empty(region.size, dtype=entry.dtype, device=device))
+            if out is not None:
+                dests.append(out[i])
+            else:
+                dests.append(torch.empty(region.size, dtype=entry.dtype, device=device))
             if region.numel == 0:
                 continue
             for c_off, c_size in self.chunks(region.key):
@@ -95,19 +103,28 @@ class DCPSource(Source):
 
     def read_object(self, key: str) -> Any:
         """A non-tensor entry (e.g. a param_groups hyperparameter)."""
-        if key not in self._entries or self._entries[key].is_tensor:
-            raise KeyError(key)
+        return self.read_objects([key])[key]
+
+    def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
+        """Several non-tensor entries, in one pass over the storage."""
+        for key in keys:
+            if key not in self._entries or self._entries[key].is_tensor:
+                raise KeyError(key)
         planner = _Planner([])
-        item = ReadItem(
-            type=LoadItemType.BYTE_IO,
-            dest_index=MetadataIndex(key),
-            dest_offsets=torch.Size(()),
-            storage_index=MetadataIndex(key),
-            storage_offsets=torch.Size(()),
-            lengths=torch.Size(()),
-        )
-        self._run([item], planner)
-        return planner.objects[key]
+        items = [
+            ReadItem(
+                type=LoadItemType.BYTE_IO,
+                dest_index=MetadataIndex(key),
+                dest_offsets=torch.Size(()),
+                storage_index=MetadataIndex(key),
+                storage_offsets=torch.Size(()),
+                lengths=torch.Size(()),
+            )
+            for key in keys
+        ]
+        if items:
+            self._run(items, planner)
+        return planner.objects
 
     def _run(self, items: list[ReadItem], planner: _Planner) -> None:
         plan = self._reader.prepare_local_plan(LoadPlan(items))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import Entry, Region, Source, nested_entries, slices
+from fsdpcheck.sources.base import Entry, Region, Source, into, nested_entries, slices
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -48,13 +48,18 @@ class TorchSaveSource(Source):
         """Every leaf of the saved object."""
         return self._entries
 
-    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+    def read(
+        self,
+        regions: Sequence[Region],
+        device: torch.device,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Slices of the mapped tensors, copied to `device` (only their pages are read)."""
-        out = []
-        for r in regions:
+        result = []
+        for i, r in enumerate(regions):
             t = self._values[r.key][slices(r)] if r.size else self._values[r.key]
-            out.append(t.to(device, copy=True))
-        return out
+            result.append(into(t, out[i] if out is not None else None, device))
+        return result
 
     def read_object(self, key: str) -> Any:
         """A non-tensor leaf."""
@@ -118,11 +123,16 @@ class SafetensorsSource(Source):
         """Every tensor of every file."""
         return self._entries
 
-    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+    def read(
+        self,
+        regions: Sequence[Region],
+        device: torch.device,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Each region read with get_slice (only its bytes), then moved to `device`."""
-        out = []
-        for r in regions:
+        result = []
+        for i, r in enumerate(regions):
             h = self._handles[self._file_of[r.key]]
             t = h.get_slice(r.key)[slices(r)] if r.size else h.get_tensor(r.key)
-            out.append(t.to(device))
-        return out
+            result.append(into(t, out[i] if out is not None else None, device))
+        return result

@@ -39,15 +39,23 @@ class MemorySource(Source):
         """Every leaf of the mapping."""
         return self._entries
 
-    def read(self, regions: Sequence[Region], device: torch.device) -> list[torch.Tensor]:
+    def read(
+        self,
+        regions: Sequence[Region],
+        device: torch.device,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Views of the reference; a copy of just the box when it lives on another device."""
-        out = []
-        for r in regions:
+        result = []
+        for i, r in enumerate(regions):
             t = self._values[r.key]
             if r.size:
                 t = t[slices(r)]
-            out.append(t if t.device == device else t.to(device))
-        return out
+            if t.device == device:
+                result.append(t)  # read in place: no copy at all
+            else:
+                result.append(out[i].copy_(t) if out is not None else t.to(device))
+        return result
 
     def read_object(self, key: str) -> Any:
         """A non-tensor leaf."""
