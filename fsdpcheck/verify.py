@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from fsdpcheck.box import Box, unravel
 from fsdpcheck.collectives import Comm, KeyStats, combine
 from fsdpcheck.kernels import SUPPORTED_DTYPES, TensorDiff, compare
 from fsdpcheck.layout import Layout, local_layout
+from fsdpcheck.live import describe_error, live_state_dicts, requires_grad_map
 from fsdpcheck.report import Finding, Report
 from fsdpcheck.sources import Entry, Region, Source, open_source
 from fsdpcheck.sources.memory import MemorySource
@@ -172,12 +172,12 @@ class _Verifier:
         try:
             self._check_values(source, checked, state)
         except Exception as exc:  # a local failure must not leave the other ranks waiting
-            state.errors.append(("*", "error", _describe(exc)))
+            state.errors.append(("*", "error", describe_error(exc)))
         if groups is not None:
             try:
                 self._check_param_groups(source, groups)
             except Exception as exc:  # local only, but never skip the collectives below
-                state.errors.append(("optim.param_groups", "error", _describe(exc)))
+                state.errors.append(("optim.param_groups", "error", describe_error(exc)))
         combined, extras = combine(
             self.comm,
             state.stats,
@@ -202,12 +202,12 @@ class _Verifier:
     ) -> tuple[Source | None, list[_Live], list[dict] | None, str | None]:
         """Live keys, the source and the key matching; errors become a message, never raise."""
         try:
-            msd, osd = _live_state_dicts(model, optimizer)
-            self.live_requires_grad = _requires_grad(model)
+            msd, osd = live_state_dicts(model, optimizer)
+            self.live_requires_grad = requires_grad_map(model)
             source = open_source(reference)
             entries = source.entries()
         except Exception as exc:
-            return None, [], None, _describe(exc)
+            return None, [], None, describe_error(exc)
         classified = keymod.classify(entries)
         live: list[_Live] = []
         model_prefix = keymod.best_prefix(list(msd), list(classified.model))
@@ -444,7 +444,7 @@ class _Verifier:
                 out = self._arena.carve(device, [(w.region.size, w.ref_dtype) for w in works])
                 refs = source.read([w.region for w in works], device, out)
             except Exception as exc:  # unreadable file, out of memory: a finding, not a hang
-                msg = f"reading the reference failed: {_describe(exc)}"
+                msg = f"reading the reference failed: {describe_error(exc)}"
                 for key_index in sorted({w.key_index for w in works}):
                     state.stats[key_index].errors += 1
                     state.errors.append((state.keys[key_index], "error", msg))
@@ -520,7 +520,7 @@ class _Verifier:
             )
         except Exception as exc:
             self.findings.append(
-                Finding("optim.param_groups", "error", f"cannot read them: {_describe(exc)}")
+                Finding("optim.param_groups", "error", f"cannot read them: {describe_error(exc)}")
             )
             return
         ckpt_params = {
@@ -562,53 +562,6 @@ class _Verifier:
 
 
 # -------------------------------------------------------------------------------------------
-def _live_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict | None]:
-    if isinstance(model, torch.nn.Module):
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        msd = dict(get_model_state_dict(model))
-        osd = None
-        if optimizer is not None:
-            osd = (
-                dict(optimizer)
-                if isinstance(optimizer, Mapping)
-                else get_optimizer_state_dict(model, optimizer)
-            )
-        return _tensor_leaves(msd), osd
-    if isinstance(model, Mapping):
-        if optimizer is not None and not isinstance(optimizer, Mapping):
-            raise TypeError(
-                "with a state dict as `model`, pass the optimizer as its state dict "
-                "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, opt))"
-            )
-        return _tensor_leaves(dict(model)), (dict(optimizer) if optimizer is not None else None)
-    raise TypeError(f"model must be an nn.Module or a state dict, not {type(model).__name__}")
-
-
-# Components that wrappers (FSDP1, activation checkpointing, DDP, torch.compile) add to names.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-
-
-def _requires_grad(model: Any) -> dict[str, bool]:
-    """requires_grad of each parameter by its state-dict FQN (wrapper components removed)."""
-    if not isinstance(model, torch.nn.Module):
-        return {k: v.requires_grad for k, v in model.items() if isinstance(v, torch.nn.Parameter)}
-    out = {}
-    for name, p in model.named_parameters():
-        parts = [x for x in name.split(".") if x not in _WRAPPER_PARTS]
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and parts[0] == "module":
-            parts = parts[1:]
-        out[".".join(parts)] = p.requires_grad
-    return out
-
-
-def _tensor_leaves(sd: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-
-
 def _read_params(hps: Mapping[str, Entry], source: Source) -> list:
     entry = hps.get("params")
     return [] if entry is None else list(source.read_objects([entry.key])[entry.key])
@@ -717,12 +670,6 @@ def _linear(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
     for i, g in zip(index, shape):
         out = out * g + i
     return out
-
-
-def _describe(exc: BaseException) -> str:
-    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    loc = f" (at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno})" if where else ""
-    return f"{type(exc).__name__}: {exc}{loc}"
 
 
 def _keys_digest(live: list[_Live], source: Source | None) -> str:

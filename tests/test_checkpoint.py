@@ -1,0 +1,264 @@
+"""fingerprint / fingerprint_checkpoint / save / load / audit in one process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fsdpcheck
+from fsdpcheck.audit import tiling_problems
+from tests import reference
+
+
+def small_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def kinds(r: fsdpcheck.Report) -> list[tuple[str, str]]:
+    return [(f.key, f.kind) for f in r.findings]
+
+
+# ---------------------------------------------------------------------------------------------
+def test_fingerprint_matches_definition_and_offline(tmp_path):
+    m, opt = small_model()
+    fps = fsdpcheck.fingerprint(m, optimizer=opt)
+    assert fps["0.weight"] == reference.fingerprint(m[0].weight)
+    assert fps["optim.state.0.weight.exp_avg"] == reference.fingerprint(
+        opt.state[m[0].weight]["exp_avg"]
+    )
+    assert len(fps) == 4 + 4 * 3
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    assert fsdpcheck.fingerprint_checkpoint(tmp_path / "ck") == fps
+    assert fsdpcheck.fingerprint_checkpoint(tmp_path / "ck", memory_budget=8) == fps
+    torch.save({"model": m.state_dict()}, tmp_path / "full.pt")
+    offline = fsdpcheck.fingerprint_checkpoint(tmp_path / "full.pt", memory_budget=16)
+    assert offline == {k: v for k, v in fps.items() if not k.startswith("optim.")}
+
+
+def test_fingerprint_sees_swaps_shifts_and_bits():
+    m, _ = small_model()
+    base = fsdpcheck.fingerprint(m)
+    with torch.no_grad():
+        w = m[0].weight
+        w[[0, 1]] = w[[1, 0]]  # swapped rows
+    assert {k for k, v in fsdpcheck.fingerprint(m).items() if v != base[k]} == {"0.weight"}
+    with torch.no_grad():
+        w[[0, 1]] = w[[1, 0]]
+        m[2].bias.view(torch.int32)[1] ^= 1  # one flipped bit
+    assert {k for k, v in fsdpcheck.fingerprint(m).items() if v != base[k]} == {"2.bias"}
+
+
+def test_manifest_contents(tmp_path):
+    m, opt = small_model()
+    manifest = fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    on_disk = json.loads((tmp_path / "ck" / "fsdpcheck_manifest.json").read_text())
+    assert on_disk == manifest
+    assert manifest["format_version"] == 1 and manifest["kind"] == "sharded"
+    assert manifest["world_size"] == 1 and manifest["torch"] == torch.__version__
+    e = manifest["entries"]["0.weight"]
+    assert e["shape"] == [7, 5] and e["dtype"] == "float32"
+    assert e["checkpoint_key"] == "model.0.weight"
+    assert int(e["fingerprint"], 16) == reference.fingerprint(m[0].weight)
+    assert manifest["entries"]["optim.state.2.bias.step"]["checkpoint_key"] == (
+        "optim.state.2.bias.step"
+    )
+
+
+def test_save_then_load_with_fingerprint_verification(tmp_path):
+    m, opt = small_model()
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    m2, opt2 = small_model(seed=1)
+    r = fsdpcheck.load(m2, tmp_path / "ck", optimizer=opt2)
+    assert r.ok, str(r)
+    assert torch.equal(m2[0].weight, m[0].weight)
+    assert any("sharded" in n for n in r.notes)
+    assert fsdpcheck.fingerprint(m2, optimizer=opt2) == fsdpcheck.fingerprint(m, optimizer=opt)
+
+
+def test_corrupted_distcp_file_caught_by_fingerprint_load(tmp_path):
+    m, opt = small_model()
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    f = next((tmp_path / "ck").glob("*.distcp"))
+    data = bytearray(f.read_bytes())
+    # Flip one byte inside the raw data of the first tensor (0.weight: 35 float32 values).
+    needle = m[0].weight.detach().contiguous().numpy().tobytes()[:16]
+    at = bytes(data).find(needle)
+    assert at > 0
+    data[at + 5] ^= 0x40
+    f.write_bytes(bytes(data))
+    m2, opt2 = small_model(seed=1)
+    r = fsdpcheck.load(m2, tmp_path / "ck", optimizer=opt2)
+    assert kinds(r) == [("0.weight", "value")], str(r)
+    assert "fingerprint" in r.findings[0].message
+    full = fsdpcheck.load(m2, tmp_path / "ck", optimizer=opt2, verify="full")
+    assert full.ok  # the files agree with what was loaded; the manifest is what tells
+
+
+def test_load_without_manifest_falls_back_to_full(tmp_path):
+    m, opt = small_model()
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    (tmp_path / "ck" / "fsdpcheck_manifest.json").unlink()
+    m2, opt2 = small_model(seed=1)
+    r = fsdpcheck.load(m2, tmp_path / "ck", optimizer=opt2)
+    assert r.ok and any("fell back" in n for n in r.notes)
+    assert r.keys_checked == 16
+
+
+def test_full_checkpoint_loads_and_expect_refuses(tmp_path):
+    m, opt = small_model()
+    torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "full.pt")
+    m2, opt2 = small_model(seed=1)
+    with pytest.raises(fsdpcheck.CheckpointKindError, match=r"expected a sharded .* full"):
+        fsdpcheck.load(m2, tmp_path / "full.pt", optimizer=opt2, expect="sharded")
+    assert not torch.equal(m2[0].weight, m[0].weight)  # nothing was loaded
+    r = fsdpcheck.load(m2, tmp_path / "full.pt", optimizer=opt2, expect="full")
+    assert r.ok, str(r)
+    assert torch.equal(m2[0].weight, m[0].weight)
+    assert torch.equal(opt2.state[m2[0].weight]["exp_avg"], opt.state[m[0].weight]["exp_avg"])
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    with pytest.raises(fsdpcheck.CheckpointKindError, match=r"expected a full .* sharded"):
+        fsdpcheck.load(m2, tmp_path / "ck", expect="full")
+
+
+def test_sentinel_counts_elements_the_load_never_wrote(tmp_path):
+    m, _ = small_model()
+    sd = {k: v for k, v in m.state_dict().items() if k != "2.bias"}
+    torch.save(sd, tmp_path / "partial.pt")
+    m2, _ = small_model(seed=1)
+    r = fsdpcheck.load(m2, tmp_path / "partial.pt", sentinel=True, verify=None)
+    assert kinds(r) == [("2.bias", "missing")]
+    assert r.findings[0].mismatched == 3
+
+
+def test_bad_load_arguments(tmp_path):
+    m, _ = small_model()
+    with pytest.raises(ValueError, match="verify"):
+        fsdpcheck.load(m, tmp_path, verify="fast")
+    with pytest.raises(ValueError, match="expect"):
+        fsdpcheck.load(m, tmp_path, expect="half")
+    with pytest.raises(FileNotFoundError):
+        fsdpcheck.load(m, tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+def test_tiling_problems():
+    assert tiling_problems((10,), [((0,), (3,)), ((3,), (7,))]) == []
+    assert tiling_problems((10,), [((0,), (3,)), ((4,), (6,))]) == ["gap at [3:4]"]
+    assert tiling_problems((10,), [((0,), (5,)), ((3,), (7,))]) == ["overlap at [3:5]"]
+    grid = [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)]
+    assert tiling_problems((4, 6), grid) == []
+    assert tiling_problems((4, 6), grid[:3]) == ["gap at [2:4, 3:6]"]
+    assert tiling_problems((4, 6), [*grid[:3], ((1, 3), (3, 3))]) == ["overlap at [1:2, 3:6]"]
+    assert tiling_problems((), [((), ())]) == []
+    assert tiling_problems((), []) == ["the scalar is saved 0 times"]
+    # A big uneven grid: fast (a sweep, not pairwise).
+    rows = [0, *sorted({i * 7 for i in range(1, 300)}), 2100]
+    cols = [0, *sorted({i * 5 for i in range(1, 40)}), 200]
+    boxes = [
+        ((r0, c0), (r1 - r0, c1 - c0))
+        for r0, r1 in itertools.pairwise(rows)
+        for c0, c1 in itertools.pairwise(cols)
+    ]
+    assert tiling_problems((2100, 200), boxes) == []
+
+
+def _dcp(tmp_path, name="ck"):
+    m, opt = small_model()
+    fsdpcheck.save(m, tmp_path / name, optimizer=opt)
+    return tmp_path / name
+
+
+def _edit_metadata(path, edit):
+    f = path / ".metadata"
+    md = pickle.loads(f.read_bytes())
+    edit(md)
+    f.write_bytes(pickle.dumps(md))
+
+
+def test_audit_good_checkpoint(tmp_path):
+    r = fsdpcheck.audit(_dcp(tmp_path))
+    assert r.ok, str(r)
+    assert r.keys_checked == 16
+    assert fsdpcheck.audit(_dcp(tmp_path, "ck2"), deep=True).ok
+
+
+def test_audit_removed_chunk(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    p = _dcp(tmp_path)
+
+    def edit(md):
+        meta = md.state_dict_metadata["model.0.weight"]
+        meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 5]))]
+
+    _edit_metadata(p, edit)
+    r = fsdpcheck.audit(p)
+    assert kinds(r) == [("model.0.weight", "layout")]
+    assert "gap at [4:7]" in r.findings[0].message
+
+
+def test_audit_overlapping_chunk(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    p = _dcp(tmp_path)
+
+    def edit(md):
+        meta = md.state_dict_metadata["model.0.weight"]
+        meta.chunks = [
+            *meta.chunks,
+            ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 5])),
+        ]
+
+    _edit_metadata(p, edit)
+    r = fsdpcheck.audit(p)
+    assert ("model.0.weight", "layout") in kinds(r)
+    assert any("overlap at [2:4" in f.message for f in r.findings)
+
+
+def test_audit_truncated_and_missing_files(tmp_path):
+    p = _dcp(tmp_path)
+    f = next(p.glob("*.distcp"))
+    f.write_bytes(f.read_bytes()[:200])
+    r = fsdpcheck.audit(p)
+    assert r.findings and all(x.kind == "error" for x in r.findings)
+    assert "truncated" in r.findings[-1].message
+    f.unlink()
+    r = fsdpcheck.audit(p)
+    assert r.findings and "does not exist" in r.findings[0].message
+
+
+def test_audit_manifest_mismatch_and_optimizer_completeness(tmp_path):
+    p = _dcp(tmp_path)
+    mf = p / "fsdpcheck_manifest.json"
+    manifest = json.loads(mf.read_text())
+    manifest["entries"]["0.weight"]["shape"] = [7, 6]
+    mf.write_text(json.dumps(manifest))
+
+    def edit(md):
+        del md.state_dict_metadata["optim.state.2.bias.step"]
+
+    _edit_metadata(p, edit)
+    r = fsdpcheck.audit(p)
+    got = kinds(r)
+    assert ("0.weight", "shape") in got
+    assert ("optim.state.2.bias.step", "missing") in got  # lacks what the others have
+
+
+def test_audit_files(tmp_path):
+    m, _ = small_model()
+    torch.save(m.state_dict(), tmp_path / "m.pt")
+    assert fsdpcheck.audit(tmp_path / "m.pt").ok
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    r = fsdpcheck.audit(tmp_path / "bad.pt")
+    assert kinds(r) == [("*", "error")]
+    assert not fsdpcheck.audit(tmp_path / "missing").ok
