@@ -231,3 +231,45 @@ def test_layouts_that_are_not_boxes_are_layout_findings(w4):
     assert "Partial" in r["findings"][0]["message"]
     assert "not a box" in r["findings"][1]["message"]
     assert r["keys_checked"] == 4  # box_2d checked and clean
+
+
+# --- fingerprint / save / load on several ranks --------------------------------------------------
+def test_fingerprints_identical_across_layouts_and_offline(w4, w2, w3):
+    fp = w4["fp_layouts"]
+    assert fp["fsdp"] == fp["plain"] == fp["hsdp"] == fp["2d"]
+    assert fp["offline"] == fp["fsdp"] == fp["live_fresh"]
+    assert len(fp["fsdp"]) == 13 * 4
+    # Loaded at 2 and 3 ranks: the same numbers.
+    assert w2["fingerprints"] == fp["fsdp"]
+    assert w3["fingerprints"] == fp["fsdp"]
+
+
+def test_fingerprint_faults_change_exactly_the_affected_keys(w4):
+    f = w4["fp_faults"]
+    assert f["swapped"] == ["emb.weight"]
+    assert f["shifted"] == ["blocks.0.w1.weight"]
+    assert f["bit"] == ["blocks.1.norm.bias"]
+    assert f["restored"] == []
+
+
+def test_diverged_replica_found_with_its_ranks(w4):
+    r = w4["replicas"]
+    assert r["clean"]["ok"], r["clean"]["text"]
+    bad = r["bad"]
+    assert [(f["key"], f["kind"]) for f in bad["findings"]] == [("blocks.1.w2.weight", "replica")]
+    assert bad["findings"][0]["rank"] == 2 and "ranks [2]" in bad["findings"][0]["message"]
+    assert r["fingerprint_raised"] is None  # the lowest rank's copy counts; check_replicas tells
+
+
+def test_save_then_load_fingerprint_verified(w4):
+    s = w4["save_load"]
+    assert s["manifest_world"] == 4 and s["manifest_meshes"] == ["(4,)"]
+    assert s["clean"]["ok"], s["clean"]["text"]
+    c = s["corrupted"]
+    assert [(f["key"], f["kind"]) for f in c["findings"]] == [("blocks.0.w1.weight", "value")]
+    assert "fingerprint" in c["findings"][0]["message"]
+    assert s["refused"] is not None and "expected a sharded checkpoint" in s["refused"]
+    assert "nothing was loaded" in s["refused"]
+    assert s["untouched"]
+    assert s["full_load"]["ok"], s["full_load"]["text"]
+    assert s["full_same_fingerprints"]

@@ -400,8 +400,132 @@ def world4(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         }
         return report(fsdpcheck.verify(sd, dict.fromkeys(sd, full_t)))
 
+    # --- fingerprints, save/load, replicas (fsdpcheck.fingerprint / save / load) ---------------
+    def hexes(fps: dict[str, int]) -> dict[str, str]:
+        return {k: f"{v:#018x}" for k, v in fps.items()}
+
+    def fp_layouts() -> Any:
+        out = {}
+        for layout in ("plain", "fsdp", "hsdp", "2d"):
+            m, o = build(layout, world, seed=11)
+            train(m, o, steps=1)
+            r = fsdpcheck.load(m, ck, optimizer=o, verify=None)
+            assert r.ok, str(r)
+            out[layout] = hexes(fsdpcheck.fingerprint(m, optimizer=o))
+        out["offline"] = hexes(fsdpcheck.fingerprint_checkpoint(ck))
+        out["live_fresh"] = hexes(fsdpcheck.fingerprint(fresh, optimizer=fopt))
+        return out
+
+    def fp_faults() -> Any:
+        base = fsdpcheck.fingerprint(fresh)
+        out = {}
+
+        def changed() -> list[str]:
+            now = fsdpcheck.fingerprint(fresh)
+            return sorted(k for k in base if now[k] != base[k])
+
+        emb = local_of(fresh, "emb.weight")
+        saved = emb.detach().clone()
+        if rank in (0, 1):  # rows 0-1 and 2-3 swapped
+            other = torch.empty_like(saved)
+            peer = 1 - rank
+            ops = [dist.P2POp(dist.isend, saved, peer), dist.P2POp(dist.irecv, other, peer)]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+            with torch.no_grad():
+                emb.copy_(other)
+        out["swapped"] = changed()
+        with torch.no_grad():
+            emb.copy_(saved)
+        w = local_of(fresh, "blocks.0.w1.weight")
+        saved_w = w.detach().clone()
+        if rank == 1:
+            with torch.no_grad():
+                w.copy_(full["blocks.0.w1.weight"][2:5])  # shifted by one row
+        out["shifted"] = changed()
+        with torch.no_grad():
+            w.copy_(saved_w)
+        b = local_of(fresh, "blocks.1.norm.bias")
+        if rank == 2 and b.numel():
+            with torch.no_grad():
+                b.view(torch.int32)[0] ^= 1  # one flipped bit
+        out["bit"] = changed()
+        with torch.no_grad():
+            if rank == 2 and b.numel():
+                b.view(torch.int32)[0] ^= 1
+        out["restored"] = changed()
+        return out
+
+    def replicas() -> Any:
+        m, o = build("hsdp", world)
+        train(m, o)
+        clean_r = report(fsdpcheck.check_replicas(m, optimizer=o))
+        local = local_of(m, "blocks.1.w2.weight")
+        if rank == 2:  # replica 1 of shard 0 diverges
+            with torch.no_grad():
+                local.view(-1)[0] += 1
+        bad = report(fsdpcheck.check_replicas(m, optimizer=o))
+        try:
+            fsdpcheck.fingerprint(m)
+            raised = None
+        except fsdpcheck.FingerprintError as exc:
+            raised = str(exc)
+        return {"clean": clean_r, "bad": bad, "fingerprint_raised": raised}
+
+    def save_load() -> Any:
+        path = workdir / "saved"
+        manifest = fsdpcheck.save(model, path, optimizer=opt)
+        m, o = build("fsdp", world, seed=3)
+        train(m, o, steps=1)
+        clean_r = report(fsdpcheck.load(m, path, optimizer=o))
+        # Corrupt rank 1's data file: flip one byte inside its shard of blocks.0.w1.weight.
+        dist.barrier()
+        if rank == 1:
+            f = path / "__1_0.distcp"
+            data = bytearray(f.read_bytes())
+            shard = local_of(model, "blocks.0.w1.weight").detach().contiguous()
+            at = bytes(data).find(shard.numpy().tobytes())
+            assert at > 0, "shard bytes not found in the .distcp file"
+            data[at + 6] ^= 0x10
+            f.write_bytes(bytes(data))
+        dist.barrier()
+        m2, o2 = build("fsdp", world, seed=4)
+        train(m2, o2, steps=1)
+        corrupted = report(fsdpcheck.load(m2, path, optimizer=o2))
+        # A full checkpoint where a sharded one is expected: refused before loading, everywhere.
+        full_path = workdir / "full.pt"
+        if rank == 0:
+            torch.save({"model": full}, full_path)
+        dist.barrier()
+        m3, _ = build("fsdp", world, seed=5)
+        before = local_of(m3, "emb.weight").detach().clone()
+        try:
+            fsdpcheck.load(m3, full_path, expect="sharded")
+            refused = None
+        except fsdpcheck.CheckpointKindError as exc:
+            refused = str(exc)
+        untouched = bool(torch.equal(before, local_of(m3, "emb.weight")))
+        full_load = report(fsdpcheck.load(m3, full_path, expect="full"))
+        same = fsdpcheck.fingerprint(m3) == {
+            k: v for k, v in fsdpcheck.fingerprint(model).items() if not k.startswith("optim.")
+        }
+        return {
+            "manifest_world": manifest["world_size"],
+            "manifest_meshes": manifest["meshes"],
+            "clean": clean_r,
+            "corrupted": corrupted,
+            "refused": refused,
+            "untouched": untouched,
+            "full_load": full_load,
+            "full_same_fingerprints": same,
+        }
+
     return run_all(
         {
+            "fp_layouts": fp_layouts,
+            "fp_faults": fp_faults,
+            "replicas": replicas,
+            "save_load": save_load,
             "layouts": layouts,
             "clean": clean,
             "one_element": one_element,
@@ -445,4 +569,15 @@ def resharded(rank: int, world: int, workdir: Path) -> dict[str, Any]:
                 local[-1, -1] += 1
         return report(fsdpcheck.verify(m, ck, optimizer=o))
 
-    return run_all({"before_load": before_load, "after_load": after_load, "planted": planted})
+    def fingerprints() -> Any:
+        fps = fsdpcheck.fingerprint(m, optimizer=o)
+        return {k: f"{v:#018x}" for k, v in fps.items()}
+
+    return run_all(
+        {
+            "before_load": before_load,
+            "after_load": after_load,
+            "fingerprints": fingerprints,
+            "planted": planted,
+        }
+    )
