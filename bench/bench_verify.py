@@ -1,8 +1,11 @@
-"""Benchmark of fsdpcheck.verify against a bare DCP load and the full-state-dict recipe.
+"""Benchmark of fsdpcheck.verify / load / fingerprint against a bare DCP load and the
+full-state-dict recipe.
 
 On N gloo ranks (CPU by default; with --device cuda the ranks share the GPUs over gloo), one
-checkpoint, one run, each rank measures:
+checkpoint (written by fsdpcheck.save, so it has a manifest), one run, each rank measures:
   * dcp.load alone (into a fresh FSDP2 model and optimizer),
+  * fsdpcheck.load with verify=None, "fingerprint" and "full",
+  * fsdpcheck.fingerprint alone (its throughput against this rank's measured read bandwidth),
   * fsdpcheck.verify of model and optimizer against the DCP directory,
   * the recipe users follow today: gather a full state dict on every rank, offload it to the
     CPU, read the full checkpoint, and compare with a torch.allclose loop.
@@ -128,12 +131,12 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     )
 
     import fsdpcheck
+    import fsdpcheck.live
 
     ck = Path(args.workdir) / "ckpt"
     model, opt = build(args, device, seed=0)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck))
-    del model, opt, msd, osd
+    fsdpcheck.save(model, ck, optimizer=opt)
+    del model, opt
     fresh, fopt = build(args, device, seed=1)
     results: dict[str, Any] = {}
 
@@ -155,6 +158,22 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     phase("dcp.load", load)
+    for mode in (None, "fingerprint", "full"):
+        r = phase(
+            f"fsdpcheck.load(verify={mode!r})",
+            lambda mode=mode: fsdpcheck.load(fresh, ck, optimizer=fopt, verify=mode),
+        )
+        results.setdefault("load_ok", []).append(r.ok)
+    phase("fsdpcheck.fingerprint", lambda: fsdpcheck.fingerprint(fresh, optimizer=fopt))
+    local_bytes = 0
+    for v in fsdpcheck.live.flat_live(fresh, fopt).values():
+        t = v.to_local() if hasattr(v, "to_local") else v
+        local_bytes += t.numel() * t.element_size()
+    big = torch.ones(max(local_bytes // 4, 1 << 20), device=device)
+    phase("read bandwidth (a sum)", lambda big=big: big.sum())
+    results["local_bytes"] = local_bytes
+    results["sum_bytes"] = big.numel() * 4
+    del big
     report = phase(
         "fsdpcheck.verify",
         lambda: fsdpcheck.verify(fresh, ck, optimizer=fopt, memory_budget=args.budget),
@@ -200,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             port = s.getsockname()[1]
         mp.spawn(rank_main, args=(args.ranks, port, args, tmp), nprocs=args.ranks, join=True)
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
-    methods = [k for k, v in per_rank[0].items() if isinstance(v, dict)]
+    methods = [k for k, v in per_rank[0].items() if isinstance(v, dict) and "s" in v]
     base = max(r["dcp.load"]["s"] for r in per_rank)
     params_mb = per_rank[0]["bytes"] / 1e6
     print(
@@ -220,8 +239,18 @@ def main(argv: list[str] | None = None) -> int:
             {"method": m, "seconds": t, "vs_load": t / base, "rss_mb": rss, "cuda_mb": cuda}
         )
         print(f"{m:34s} {t:8.3f} {t / base:7.2f}x {rss:18.1f} {cuda:8.1f}")
-    ok = all(r["verify_ok"] and r["recipe_ok"] for r in per_rank)
-    print(f"# verdicts: verify ok={per_rank[0]['verify_ok']}, recipe ok={per_rank[0]['recipe_ok']}")
+    fp_s = max(r["fsdpcheck.fingerprint"]["s"] for r in per_rank)
+    gbps = per_rank[0]["local_bytes"] / fp_s / 1e9
+    bw = per_rank[0]["sum_bytes"] / per_rank[0]["read bandwidth (a sum)"]["s"] / 1e9
+    print(
+        f"# fingerprint throughput per rank: {gbps:.2f} GB/s = {100 * gbps / bw:.0f}% of this "
+        f"rank's measured read bandwidth ({bw:.2f} GB/s, a sum of the same size, same run)"
+    )
+    ok = all(r["verify_ok"] and r["recipe_ok"] and all(r["load_ok"]) for r in per_rank)
+    print(
+        f"# verdicts: verify ok={per_rank[0]['verify_ok']}, recipe ok={per_rank[0]['recipe_ok']}, "
+        f"load ok={per_rank[0]['load_ok']}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "table": table}, indent=2))
     return 0 if ok else 1
