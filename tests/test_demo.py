@@ -3,24 +3,20 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fsdpcheck import demo
 
-
-def test_every_demo_outcome_as_expected():
-    outcomes = demo.run()
-    assert len(outcomes) >= 7
-    assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok]
-
-
-def test_demo_command_exits_zero_and_prints_table():
+def test_demo_command_exits_zero_and_every_outcome_as_expected():
     out = subprocess.run(
-        [sys.executable, "-m", "fsdpcheck", "demo"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "fsdpcheck", "demo"], capture_output=True, text=True, timeout=300
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "outcomes as expected" in out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "9/9 outcomes as expected" in out.stdout
     assert "UNEXPECTED" not in out.stdout
-
-
-def test_cli_without_command_is_usage_error():
-    out = subprocess.run([sys.executable, "-m", "fsdpcheck"], capture_output=True, text=True)
-    assert out.returncode == 2
+    for scenario in (
+        "one element changed",
+        "shards of two ranks swapped",
+        "shard shifted one row",
+        "optimizer moment zeroed",
+        "missing optimizer step",
+        "full checkpoint where sharded expected",
+    ):
+        assert scenario in out.stdout

@@ -6,6 +6,7 @@ that every rank got the same one.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -19,77 +20,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpcheck
+from fsdpcheck import demo
+from fsdpcheck.demo import TinyTransformer, train
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(6)
-        self.w1 = nn.Linear(6, 10)
-        self.w2 = nn.Linear(10, 6, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.w2(torch.relu(self.w1(self.norm(h))))
-
-
-class Net(nn.Module):
-    """Dims that do not divide by 4: 7 rows (2,2,2,1), 10 rows (3,3,3,1), 3 rows (1,1,1,0)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(7, 6)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
+# The test model: 7 rows (2,2,2,1 on 4 ranks), 10 rows (3,3,3,1), 3 rows (1,1,1,0).
+Net = functools.partial(TinyTransformer, vocab=7, dim=6, hidden=10, out=3)
 
 
 def build(layout: str, world: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A Net in a layout: fsdp, hsdp (2 x world/2), 2d (FSDP x TP, 2 x world/2), ddp, plain."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = Net()
-    if layout == "fsdp":
-        for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
-    elif layout == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif layout == "2d":
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        for b in model.blocks:
-            parallelize_module(b, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-            fully_shard(b, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    elif layout == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
-    elif layout != "plain":
-        raise ValueError(layout)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, opt
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
-    g = torch.Generator().manual_seed(123)
-    for _ in range(steps):
-        x = torch.randint(0, 7, (4, 5), generator=g)
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    """The test model in a layout: fsdp, hsdp (2 x world/2), 2d (FSDP x TP), ddp, plain."""
+    return demo.build(layout, world, seed, model_cls=Net)
 
 
 def save(model: nn.Module, opt: torch.optim.Optimizer, path: Path, edit=None) -> None:
