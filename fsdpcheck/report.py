@@ -76,12 +76,12 @@ class Finding:
         if self.max_abs_index is not None:
             lines.append(
                 f"  Greatest absolute difference: {self.max_abs_diff} at index "
-                f"{self.max_abs_index} on rank {self.rank} (up to {self.atol} allowed)"
+                f"{self.max_abs_index}{_on(self.rank)} (up to {self.atol} allowed)"
             )
         if self.max_rel_index is not None:
             lines.append(
                 f"  Greatest relative difference: {self.max_rel_diff} at index "
-                f"{self.max_rel_index} on rank {self.rel_rank} (up to {self.rtol} allowed)"
+                f"{self.max_rel_index}{_on(self.rel_rank)} (up to {self.rtol} allowed)"
             )
         return "\n".join(lines)
 
@@ -132,11 +132,13 @@ class Report:
     def summary(self) -> str:
         """One line: verdict and what was checked."""
         verdict = "OK" if self.ok else f"FAILED with {len(self.findings)} finding(s)"
-        return (
-            f"fsdpcheck: {verdict}: {self.keys_checked} keys, {self.elements_checked:,} elements "
-            f"on {self.world_size} rank(s) against {self.reference}; "
-            f"{self.bytes_read / 1e6:,.1f} MB read in {self.seconds:.2f} s"
-        )
+        what = f"{self.keys_checked} keys"
+        if self.elements_checked:
+            what += f", {self.elements_checked:,} elements"
+        if self.world_size > 1:
+            what += f" on {self.world_size} ranks"
+        read = f"{self.bytes_read / 1e6:,.1f} MB read in " if self.bytes_read else ""
+        return f"fsdpcheck: {verdict}: {what} against {self.reference}; {read}{self.seconds:.2f} s"
 
     def __str__(self) -> str:
         parts = [self.summary()]
@@ -148,6 +150,10 @@ class Report:
         """Raises VerificationError with the report's text when there is any finding."""
         if not self.ok:
             raise VerificationError(str(self))
+
+
+def _on(rank: int | None) -> str:
+    return "" if rank is None else f" on rank {rank}"
 
 
 def _json_safe(x: Any) -> Any:

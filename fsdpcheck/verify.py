@@ -34,6 +34,24 @@ _PRECISION = [torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.floa
               torch.float32, torch.float64]  # fmt: skip
 
 
+def tolerance(
+    a: torch.dtype, b: torch.dtype, rtol: float | None, atol: float | None
+) -> tuple[float, float]:
+    """(rtol, atol) for comparing dtype `a` with `b`.
+
+    As given; else exact for equal dtypes, and torch.testing's defaults for the less precise
+    float dtype when they differ.
+    """
+    if rtol is not None or atol is not None:
+        return (rtol or 0.0, atol or 0.0)
+    if a == b:
+        return (0.0, 0.0)
+    floats = [d for d in (a, b) if d in DTYPE_TOLERANCES]
+    if not floats:
+        return (0.0, 0.0)
+    return DTYPE_TOLERANCES[min(floats, key=_PRECISION.index)]
+
+
 @dataclass
 class _Live:
     key: str
@@ -393,15 +411,7 @@ class _Verifier:
 
     # ---------------------------------------------------------------------------------------
     def _tolerance(self, live: torch.dtype, ref: torch.dtype) -> tuple[float, float]:
-        if self.rtol is not None or self.atol is not None:
-            return (self.rtol or 0.0, self.atol or 0.0)
-        if live == ref:
-            return (0.0, 0.0)
-        floats = [d for d in (live, ref) if d in DTYPE_TOLERANCES]
-        if not floats:
-            return (0.0, 0.0)
-        least = min(floats, key=_PRECISION.index)
-        return DTYPE_TOLERANCES[least]
+        return tolerance(live, ref, self.rtol, self.atol)
 
     def _check_values(self, source: Source, checked: list[_Live], state: _State) -> None:
         entries = source.entries()
@@ -464,7 +474,7 @@ class _Verifier:
                     fingerprints=fp,
                 )
                 for j, d in zip(idx, diffs):
-                    _fold(state.stats[works[j].key_index], d, works[j].box)
+                    fold(state.stats[works[j].key_index], d, works[j].box)
             del refs
 
     def _value_findings(self, checked: list[_Live], combined: list, state: _State) -> None:
@@ -639,7 +649,8 @@ class _Arena:
         return out
 
 
-def _fold(s: KeyStats, d: TensorDiff, box: Box) -> None:
+def fold(s: KeyStats, d: TensorDiff, box: Box) -> None:
+    """Adds one comparison result to a key's statistics (maxima by global linear index)."""
     s.numel += d.numel
     s.mismatched += d.mismatched
     s.nan_a += d.nan_actual

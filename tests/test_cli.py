@@ -1,0 +1,119 @@
+"""The command line: every command, --json, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fsdpcheck
+from fsdpcheck.cli import main
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    fsdpcheck.save(m, d / "ck", optimizer=opt)
+    sd = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
+    save_file(sd, str(d / "good.safetensors"))
+    bad = dict(sd)
+    bad["0.weight"] = sd["0.weight"].clone()
+    bad["0.weight"][2, 3] = 0
+    save_file(bad, str(d / "bad.safetensors"))
+    torch.save({"model": sd}, d / "full.pt")
+    return d
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect(ckpts, capsys):
+    code, out, _ = run(capsys, "inspect", str(ckpts / "ck"))
+    assert code == 0
+    assert "DCP checkpoint directory" in out and "manifest: format v1" in out
+    assert "model.0.weight" in out and "(7, 5)" in out and "complete" in out
+    code, out, _ = run(capsys, "inspect", str(ckpts / "ck"), "--json")
+    info = json.loads(out)
+    assert info["kind"] == "sharded" and info["optimizer_params"] == 4
+    assert {t["key"] for t in info["tensors"]} >= {"model.0.weight", "optim.state.0.bias.step"}
+    code, out, _ = run(capsys, "inspect", str(ckpts / "good.safetensors"), "--json")
+    assert json.loads(out)["kind"] == "full"
+
+
+def test_compare_conversion_against_source(ckpts, capsys):
+    code, out, _ = run(capsys, "compare", str(ckpts / "good.safetensors"), str(ckpts / "ck"))
+    assert code == 0, out
+    assert "optimizer tensors; not compared" in out
+    code, out, _ = run(capsys, "compare", str(ckpts / "bad.safetensors"), str(ckpts / "ck"))
+    assert code == 1
+    assert "Mismatched elements: 1 / 35 (2.9%)" in out and "at index (2, 3)" in out
+    code, out, _ = run(
+        capsys, "compare", str(ckpts / "bad.safetensors"), str(ckpts / "full.pt"), "--json",
+        "--memory-budget", "64",
+    )  # fmt: skip
+    report = json.loads(out)
+    assert code == 1 and report["findings"][0]["max_abs_index"] == [2, 3]
+    code, out, _ = run(
+        capsys, "compare", str(ckpts / "bad.safetensors"), str(ckpts / "full.pt"), "--atol", "1"
+    )
+    assert code == 0
+
+
+def test_fingerprint_command_matches_the_library(ckpts, capsys):
+    code, out, _ = run(capsys, "fingerprint", str(ckpts / "ck"), "--json")
+    assert code == 0
+    fps = {k: int(v, 16) for k, v in json.loads(out).items()}
+    assert fps == fsdpcheck.fingerprint_checkpoint(ckpts / "ck")
+    code, out, _ = run(capsys, "fingerprint", str(ckpts / "full.pt"))
+    assert "0.weight" in out and "0x" in out
+
+
+def test_audit_exit_codes(ckpts, capsys, tmp_path):
+    assert run(capsys, "audit", str(ckpts / "ck"))[0] == 0
+    code, out, _ = run(capsys, "audit", str(ckpts / "ck"), "--deep", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"garbage")
+    code, out, _ = run(capsys, "audit", str(broken))
+    assert code == 1 and "[error]" in out
+
+
+def test_errors_are_one_line_with_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
+    assert code == 2 and err.count("\n") == 1 and "does not exist" in err
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "onlyone"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["fingerprint", "x", "--memory-budget", "lots"])
+    assert e.value.code == 2
+    with pytest.raises(FileNotFoundError):
+        main(["inspect", str(tmp_path / "nope"), "--debug"])
+    assert main([]) == 2
+
+
+def test_python_dash_m_works(ckpts):
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdpcheck", "audit", str(ckpts / "ck"), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and json.loads(out.stdout)["ok"]
+    help_out = subprocess.run(
+        [sys.executable, "-m", "fsdpcheck", "--help"], capture_output=True, text=True
+    )
+    assert "Examples:" in help_out.stdout and help_out.returncode == 0
