@@ -242,21 +242,38 @@ def _load_sharded(model: Any, optimizer: Any, path: Path, group: Any, comm: Comm
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
+        get_optimizer_state_dict,
         get_state_dict,
         set_model_state_dict,
+        set_optimizer_state_dict,
         set_state_dict,
     )
 
+    from fsdpcheck.sources import accelerate_dirs
+
+    no_dist = not comm.enabled
+    if not is_dcp_dir(path):  # accelerate: model and optimizer in their own DCP directories
+        dirs = {d.name.rsplit("_", 1)[0]: d for d in accelerate_dirs(path)}
+        msd = {"model": get_model_state_dict(model)}
+        dcp_load(msd, checkpoint_id=str(dirs["pytorch_model_fsdp"]), process_group=group,
+                 no_dist=no_dist)  # fmt: skip
+        set_model_state_dict(model, msd["model"])
+        if optimizer is not None and "optimizer" in dirs:
+            osd = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+            dcp_load(osd, checkpoint_id=str(dirs["optimizer"]), process_group=group,
+                     no_dist=no_dist)  # fmt: skip
+            set_optimizer_state_dict(model, optimizer, osd["optimizer"])
+        return
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": msd, "optim": osd}
-        dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=not comm.enabled)
+        dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=no_dist)
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=not comm.enabled)
+        dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=no_dist)
         set_model_state_dict(model, state["model"])
 
 

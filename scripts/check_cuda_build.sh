@@ -17,7 +17,7 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda 
   echo "cuda-build: installing ${FSDPCHECK_CUDA_TORCH:-torch==2.14.1} into $VENV"
   pip_quiet "${FSDPCHECK_CUDA_TORCH:-torch==2.14.1}"
 fi
-pip_quiet numpy safetensors pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10"
+pip_quiet numpy safetensors accelerate pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10"
 mkdir -p build; LOG=build/cuda-build.log
 echo "cuda-build: compiling ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), nvcc: $(command -v nvcc || echo none))"
 FSDPCHECK_CUDA=ON FSDPCHECK_WERROR=ON FSDPCHECK_CUDA_ARCHS=${FSDPCHECK_CUDA_ARCHS:-90} \

@@ -12,15 +12,51 @@ from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.dcp import DCPSource, is_dcp_dir
 from fsdpcheck.sources.files import TORCH_SAVE_SUFFIXES, SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
+from fsdpcheck.sources.merged import MergedSource
 
-__all__ = ["Entry", "Region", "Source", "open_source"]
+__all__ = [
+    "Entry",
+    "MergedSource",
+    "Region",
+    "Source",
+    "accelerate_dirs",
+    "accelerate_parts",
+    "open_source",
+]
+
+
+# What accelerate's save_state writes for model / optimizer i: sharded (a DCP directory) or full
+# (a file). {s} is "" for i == 0, else "_i".
+_ACCELERATE_MODEL = ("pytorch_model_fsdp_{i}", "pytorch_model_fsdp{s}.bin",
+                     "model{s}.safetensors", "pytorch_model{s}.bin")  # fmt: skip
+_ACCELERATE_OPTIM = ("optimizer_{i}", "optimizer_{i}.bin", "optimizer{s}.bin")
+
+
+def accelerate_parts(path: Path, index: int = 0) -> tuple[Path | None, Path | None]:
+    """(model, optimizer) checkpoint of model/optimizer `index` in a save_state directory."""
+    suffix = "" if index == 0 else f"_{index}"
+
+    def first(patterns: tuple[str, ...]) -> Path | None:
+        for pat in patterns:
+            p = path / pat.format(i=index, s=suffix)
+            if is_dcp_dir(p) or p.is_file():
+                return p
+        return None
+
+    return first(_ACCELERATE_MODEL), first(_ACCELERATE_OPTIM)
+
+
+def accelerate_dirs(path: Path, index: int = 0) -> list[Path]:
+    """The sharded (DCP) model and optimizer directories of an accelerate save_state dir."""
+    return [p for p in accelerate_parts(path, index) if p is not None and is_dcp_dir(p)]
 
 
 def open_source(reference: Any) -> Source:
     """Opens a reference of any supported kind.
 
     Args:
-        reference: A DCP checkpoint directory; a torch.save file (.pt/.pth/.bin/.ckpt); a
+        reference: A DCP checkpoint directory; an accelerate save_state directory (its sharded
+            model and optimizer directories, read as one); a torch.save file (.pt/.pth/.bin); a
             .safetensors file, a ``*.safetensors.index.json`` or a directory of them; a directory
             holding exactly one torch.save file; a mapping of full tensors; or a full nn.Module.
 
@@ -45,6 +81,10 @@ def open_source(reference: Any) -> Source:
         raise FileNotFoundError(f"reference checkpoint {path} does not exist")
     if is_dcp_dir(path):
         return DCPSource(path)
+    model, optim = accelerate_parts(path) if path.is_dir() else (None, None)
+    if model is not None:
+        parts = [open_source(p) for p in (model, optim) if p is not None]
+        return MergedSource(parts, f"accelerate save_state directory {path}")
     if path.is_dir():
         if list(path.glob("*.safetensors")) or list(path.glob("*.safetensors.index.json")):
             return SafetensorsSource.from_path(path)

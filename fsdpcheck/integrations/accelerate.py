@@ -1,0 +1,87 @@
+"""Hugging Face accelerate: verify what ``Accelerator.load_state`` loaded.
+
+Example:
+    accelerator.load_state(input_dir)
+    report = verify_state(accelerator, input_dir)
+    report.raise_if_failed()
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fsdpcheck.report import Finding, Report
+from fsdpcheck.sources import MergedSource, Source, accelerate_parts, open_source
+from fsdpcheck.verify import verify
+
+
+def verify_state(
+    accelerator: Any,
+    input_dir: str | os.PathLike[str],
+    **verify_kwargs: Any,
+) -> Report:
+    """Verifies the accelerator's prepared models and optimizers against a save_state directory.
+
+    Collective (every process calls it, like ``load_state``). Model i is checked against
+    ``pytorch_model_fsdp_i/`` (sharded, DCP) or the full-state file accelerate wrote for it, and
+    optimizer i (paired with model i) against ``optimizer_i/`` or ``optimizer.bin``.
+
+    Args:
+        accelerator: The ``accelerate.Accelerator`` after ``prepare`` (and ``load_state``).
+        input_dir: The directory given to ``save_state`` / ``load_state``.
+        **verify_kwargs: Passed to ``fsdpcheck.verify`` (rtol, atol, memory_budget, ...).
+
+    Returns:
+        One Report for all models and optimizers (keys prefixed ``model<i>/`` when there are
+        several models).
+    """
+    models = list(getattr(accelerator, "_models", []))
+    optimizers = list(getattr(accelerator, "_optimizers", []))
+    if not models:
+        raise ValueError("the accelerator has no prepared model: call accelerator.prepare first")
+    combined = Report(reference=f"accelerate save_state directory {input_dir}")
+    for i, model in enumerate(models):
+        model_path, optim_path = accelerate_parts(Path(input_dir), i)
+        optimizer = (
+            optimizers[i] if i < len(optimizers) and len(optimizers) == len(models) else None
+        )
+        if optimizer is None and len(models) == 1 and optimizers:
+            optimizer = optimizers[0]
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps it
+        prefix = f"model{i}/" if len(models) > 1 else ""
+        if model_path is None:
+            combined.findings.append(
+                Finding(prefix + "*", "missing", f"no model checkpoint {i} in {input_dir}")
+            )
+            continue
+        sources: list[Source] = [open_source(model_path)]
+        if optimizer is not None and optim_path is not None:
+            sources.append(open_source(optim_path))
+        elif optimizer is not None:
+            combined.notes.append(f"{prefix}no optimizer state saved in {input_dir}")
+            optimizer = None
+        reference = MergedSource(sources) if len(sources) > 1 else sources[0]
+        report = verify(
+            accelerator.unwrap_model(model) if _is_ddp(model) else model,
+            reference,
+            optimizer=optimizer,
+            **verify_kwargs,
+        )
+        for f in report.findings:
+            f.key = prefix + f.key
+        combined.findings += report.findings
+        combined.notes += [prefix + n for n in report.notes]
+        combined.world_size = report.world_size
+        combined.keys_checked += report.keys_checked
+        combined.elements_checked += report.elements_checked
+        combined.bytes_read += report.bytes_read
+        combined.seconds += report.seconds
+    return combined
+
+
+def _is_ddp(model: Any) -> bool:
+    import torch
+
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
