@@ -116,6 +116,26 @@ class Outcome:
     seconds: float
 
 
+def swap_shards(local: torch.Tensor, ranks: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Exchanges `local` between two ranks in place (a planted fault); the original, to restore.
+
+    Collective for the two ranks (the others return at once).
+    """
+    import torch.distributed as dist
+
+    saved = local.detach().clone()
+    rank = dist.get_rank()
+    if rank in ranks:
+        peer = ranks[1] if rank == ranks[0] else ranks[0]
+        other = torch.empty_like(saved)
+        ops = [dist.P2POp(dist.isend, saved, peer), dist.P2POp(dist.irecv, other, peer)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        with torch.no_grad():
+            local.copy_(other)
+    return saved
+
+
 def _local(model: nn.Module, fqn: str) -> torch.Tensor:
     p = dict(model.named_parameters())[fqn]
     return p.to_local() if hasattr(p, "to_local") else p
@@ -141,9 +161,12 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    backend = "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+        # NCCL needs a GPU per rank; ranks sharing a GPU talk over gloo.
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     outcomes: list[Outcome] = []
     work = Path(out)
     ck = work / "ckpt"
@@ -215,15 +238,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
 
     def swapped() -> tuple[str, bool]:
         local = _local(model, "emb.weight")
-        saved = local.detach().clone()
-        if rank in (0, 1):
-            other = torch.empty_like(saved)
-            peer = 1 - rank
-            ops = [dist.P2POp(dist.isend, saved, peer), dist.P2POp(dist.irecv, other, peer)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-            with torch.no_grad():
-                local.copy_(other)
+        saved = swap_shards(local)
         r = fsdpcheck.verify(model, ck)
         with torch.no_grad():
             local.copy_(saved)
@@ -308,10 +323,11 @@ def run(world: int = 4, device: str = "cpu") -> list[Outcome]:
 def main(world: int = 4, device: str = "cpu") -> int:
     """Runs the demo, prints the table; 0 when every outcome is as expected."""
     t0 = time.perf_counter()
+    backend = "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
     print(
-        f"fsdpcheck demo: {world} ranks ({device}, gloo). A small transformer (uneven and empty "
-        "shards) trained with FSDP2 + AdamW, saved, reloaded on a 2D mesh, checked; then each "
-        "classic failure planted and caught.",
+        f"fsdpcheck demo: {world} ranks ({device}, {backend}). A small transformer (uneven and "
+        "empty shards) trained with FSDP2 + AdamW, saved, reloaded on a 2D mesh, checked; then "
+        "each classic failure planted and caught.",
         flush=True,
     )
     outcomes = run(world, device)

@@ -6,14 +6,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Finding kinds, in the order a report lists them for one key.
 KINDS = (
-    "value",
     "missing",
     "unexpected",
     "shape",
     "dtype",
     "requires_grad",
     "layout",
+    "value",
     "replica",
     "error",
 )

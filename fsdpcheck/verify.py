@@ -16,7 +16,7 @@ from fsdpcheck.collectives import Comm, KeyStats, combine
 from fsdpcheck.kernels import SUPPORTED_DTYPES, TensorDiff, compare
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import describe_error, live_state_dicts, requires_grad_map
-from fsdpcheck.report import Finding, Report
+from fsdpcheck.report import KINDS, Finding, Report
 from fsdpcheck.sources import Entry, Region, Source, open_source
 from fsdpcheck.sources.memory import MemorySource
 
@@ -705,21 +705,6 @@ def _merge_rank_findings(findings: list[Finding]) -> list[Finding]:
                 continue
             merged[k] = f
         out.append(f)
-    order = {
-        k: i
-        for i, k in enumerate(
-            (
-                "missing",
-                "unexpected",
-                "shape",
-                "dtype",
-                "requires_grad",
-                "layout",
-                "value",
-                "replica",
-                "error",
-            )
-        )
-    }
+    order = {k: i for i, k in enumerate(KINDS)}
     out.sort(key=lambda f: (f.key, order.get(f.kind, 99)))
     return out

@@ -8,20 +8,11 @@ import pickle
 
 import pytest
 import torch
-from torch import nn
 
 import fsdpcheck
 from fsdpcheck.audit import tiling_problems
 from tests import reference
-
-
-def small_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    m(torch.randn(2, 5)).sum().backward()
-    opt.step()
-    return m, opt
+from tests.models import small_model
 
 
 def kinds(r: fsdpcheck.Report) -> list[tuple[str, str]]:

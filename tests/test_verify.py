@@ -7,22 +7,13 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import fsdpcheck
 from fsdpcheck import keys
 from fsdpcheck.sources import open_source
 from fsdpcheck.sources.base import Entry, Region
-
-
-def small_model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    m(torch.randn(2, 5)).sum().backward()
-    opt.step()
-    return m, opt
+from tests.models import small_model
 
 
 def kinds(r: fsdpcheck.Report) -> list[tuple[str, str]]:

@@ -112,15 +112,7 @@ def world4(rank: int, world: int, workdir: Path) -> dict[str, Any]:
 
     def swapped() -> Any:
         local = local_of(fresh, "emb.weight")  # rows 0-1 on rank 0, 2-3 on rank 1
-        saved = local.detach().clone()
-        other = torch.empty_like(saved)
-        if rank in (0, 1):
-            peer = 1 - rank
-            ops = [dist.P2POp(dist.isend, saved, peer), dist.P2POp(dist.irecv, other, peer)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-            with torch.no_grad():
-                local.copy_(other)
+        saved = demo.swap_shards(local)
         r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
         with torch.no_grad():
             local.copy_(saved)
@@ -365,15 +357,7 @@ def world4(rank: int, world: int, workdir: Path) -> dict[str, Any]:
             return sorted(k for k in base if now[k] != base[k])
 
         emb = local_of(fresh, "emb.weight")
-        saved = emb.detach().clone()
-        if rank in (0, 1):  # rows 0-1 and 2-3 swapped
-            other = torch.empty_like(saved)
-            peer = 1 - rank
-            ops = [dist.P2POp(dist.isend, saved, peer), dist.P2POp(dist.irecv, other, peer)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-            with torch.no_grad():
-                emb.copy_(other)
+        saved = demo.swap_shards(emb)  # rows 0-1 and 2-3 swapped
         out["swapped"] = changed()
         with torch.no_grad():
             emb.copy_(saved)
