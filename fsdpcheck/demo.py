@@ -54,7 +54,9 @@ class TinyTransformer(nn.Module):
         h = self.emb(x)
         for b in self.blocks:
             h = b(h)
-        return self.head(h)
+        # A fresh tensor, not a view: FSDP2 warns that in-place ops on a returned view would skip
+        # its pre-backward hook.
+        return self.head(h).clone()
 
 
 def build(
