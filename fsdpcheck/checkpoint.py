@@ -239,42 +239,60 @@ def load(
 
 
 def _load_sharded(model: Any, optimizer: Any, path: Path, group: Any, comm: Comm) -> None:
+    """DCP loads into the sharded state, following the checkpoint's own nesting.
+
+    Checkpoints nest the model and optimizer state under names of their writer's choosing
+    ({"model": ..., "optim": ...} from fsdpcheck.save and torchtitan-style code, "optimizer" from
+    accelerate, or flat): each DCP directory's metadata says which, and the state dict handed to
+    DCP is nested the same way.
+    """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
-        get_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
-        set_state_dict,
     )
 
     from fsdpcheck.sources import accelerate_dirs
+    from fsdpcheck.sources.dcp import DCPSource
 
-    no_dist = not comm.enabled
-    if not is_dcp_dir(path):  # accelerate: model and optimizer in their own DCP directories
-        dirs = {d.name.rsplit("_", 1)[0]: d for d in accelerate_dirs(path)}
-        msd = {"model": get_model_state_dict(model)}
-        dcp_load(msd, checkpoint_id=str(dirs["pytorch_model_fsdp"]), process_group=group,
-                 no_dist=no_dist)  # fmt: skip
-        set_model_state_dict(model, msd["model"])
-        if optimizer is not None and "optimizer" in dirs:
-            osd = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-            dcp_load(osd, checkpoint_id=str(dirs["optimizer"]), process_group=group,
-                     no_dist=no_dist)  # fmt: skip
-            set_optimizer_state_dict(model, optimizer, osd["optimizer"])
-        return
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-        dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=no_dist)
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-    else:
-        state = {"model": get_model_state_dict(model)}
-        dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=no_dist)
-        set_model_state_dict(model, state["model"])
+    dirs = [path] if is_dcp_dir(path) else accelerate_dirs(path)
+    for d in dirs:
+        model_at, optim_at = _containers(DCPSource(d))
+        if optimizer is None:
+            optim_at = None
+        state: dict[str, Any] = {}
+        msd = get_model_state_dict(model) if model_at is not None else None
+        osd = get_optimizer_state_dict(model, optimizer) if optim_at is not None else None
+        for at, sd in ((model_at, msd), (optim_at, osd)):
+            if at is not None and sd is not None:
+                if at:
+                    state[at] = sd
+                else:
+                    state.update(sd)
+        if not state:
+            continue
+        dcp_load(state, checkpoint_id=str(d), process_group=group, no_dist=not comm.enabled)
+        if msd is not None:
+            set_model_state_dict(model, state[model_at] if model_at else msd)
+        if osd is not None:
+            set_optimizer_state_dict(model, optimizer, state[optim_at] if optim_at else osd)
+
+
+def _containers(source: Any) -> tuple[str | None, str | None]:
+    """Where a DCP checkpoint nests model and optimizer state ("" flat, None absent)."""
+    c = keymod.classify(source.entries())
+    model_at = None
+    for e in c.model.values():
+        nested = len(e.path) > 1 and e.path[0] in keymod.MODEL_CONTAINERS
+        model_at = e.path[0] if nested else ""
+        break
+    optim_at = None
+    for e in c.state.values():
+        optim_at = e.path[0] if len(e.path) == 4 else ""
+        break
+    return model_at, optim_at
 
 
 def _load_full(model: Any, optimizer: Any, path: Path) -> None:

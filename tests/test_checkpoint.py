@@ -253,3 +253,21 @@ def test_audit_files(tmp_path):
     r = fsdpcheck.audit(tmp_path / "bad.pt")
     assert kinds(r) == [("*", "error")]
     assert not fsdpcheck.audit(tmp_path / "missing").ok
+
+
+@pytest.mark.parametrize("layout", ["optimizer-container", "flat-model"])
+def test_load_follows_the_checkpoints_nesting(tmp_path, layout):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, opt = small_model()
+    msd, osd = get_state_dict(m, opt)
+    state = {"model": msd, "optimizer": osd} if layout == "optimizer-container" else dict(msd)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    m2, opt2 = small_model(seed=1)
+    with_opt = opt2 if layout == "optimizer-container" else None
+    r = fsdpcheck.load(m2, tmp_path / "ck", optimizer=with_opt)
+    assert r.ok, str(r)
+    assert torch.equal(m2[2].weight, m[2].weight)
+    if with_opt is not None:
+        assert torch.equal(opt2.state[m2[0].bias]["exp_avg"], opt.state[m[0].bias]["exp_avg"])
