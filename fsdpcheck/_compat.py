@@ -81,5 +81,5 @@ def local_shape_and_offset(
     """DTensor's own answer (right for box layouts only; see layout.py for the check)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
     return tuple(shape), tuple(offset)

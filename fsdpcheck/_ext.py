@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (libtorch must be loaded before the extension that links to it)
 
 try:
-    from fsdpcheck import _C
+    from fsdpcheck import _C  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         f"fsdpcheck's compiled extension could not be loaded ({exc}). Build it against the torch "

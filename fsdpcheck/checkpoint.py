@@ -11,7 +11,7 @@ import datetime
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -316,7 +316,7 @@ def _load_full(model: Any, optimizer: Any, path: Path) -> None:
         if ckpt is not None:
             (full[fqn],) = source.read([_whole(source, ckpt)], torch.device("cpu"))
     options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, full, options=options)
+    set_model_state_dict(model, cast(Any, full), options=options)
     if optimizer is not None and classified.state:
         osd = _full_optimizer_state(source, classified, optimizer, model)
         set_optimizer_state_dict(model, optimizer, osd, options=options)
@@ -332,8 +332,8 @@ def _whole(source: Any, key: str) -> Any:
 def _full_optimizer_state(source: Any, classified: Any, optimizer: Any, model: Any) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    live = get_optimizer_state_dict(model, optimizer)
-    live_fqns = [p for g in live["param_groups"] for p in g["params"]]
+    live: Any = get_optimizer_state_dict(model, optimizer)  # a nested dict of torch's ValueType
+    live_fqns = [str(p) for g in live["param_groups"] for p in g["params"]]
     ckpt_fqns = sorted({f for f, _ in classified.state})
     if ckpt_fqns and all(f.isdigit() for f in ckpt_fqns):  # a raw optimizer.state_dict()
         ids = [str(p) for g in sorted(classified.groups) for p in _params(source, classified, g)]

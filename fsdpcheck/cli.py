@@ -17,13 +17,13 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # bad usage: one line, exit 2
+    def error(self, message: str) -> NoReturn:  # bad usage: one line, exit 2
         self.print_usage(sys.stderr)
         print(f"fsdpcheck: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
@@ -62,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 2)[2] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

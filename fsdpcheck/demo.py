@@ -276,7 +276,8 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
         from torch.distributed.checkpoint import save as dcp_save
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        msd, osd = get_state_dict(model, opt)
+        msd, osd_typed = get_state_dict(model, opt)
+        osd: Any = osd_typed  # a nested dict of torch's ValueType
         state = dict(osd["state"])
         state["head.bias"] = {k: v for k, v in state["head.bias"].items() if k != "step"}
         dcp_save({"model": msd, "optim": {**osd, "state": state}}, checkpoint_id=str(work / "ns"))

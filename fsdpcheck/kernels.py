@@ -248,7 +248,8 @@ def build_info() -> dict[str, object]:
 def _check_tensor(t: object, where: str, fn: str) -> None:
     # The common case, checked without the slower generic tests below.
     if (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
+        isinstance(t, torch.Tensor)
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
         and t.dtype in SUPPORTED_DTYPES
         and t.layout == torch.strided
         and t.device.type != "meta"

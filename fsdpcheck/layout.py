@@ -124,9 +124,10 @@ def _box_of(
     """
     strided = _compat._StridedShard
     if strided is None or not any(isinstance(p, strided) for p in placements):
-        local_shape, offset = _compat.local_shape_and_offset(shape, mesh, placements)
-        return tuple(offset), tuple(local_shape)
-    offset, size = [0] * len(shape), list(shape)
+        local_shape, box_offset = _compat.local_shape_and_offset(shape, mesh, placements)
+        return tuple(box_offset), tuple(local_shape)
+    offset: list[int] = [0] * len(shape)
+    size: list[int] = list(shape)
     for d in range(len(shape)):
         if not any(_compat.shard_dim(p) == d for p in placements):
             continue

@@ -17,7 +17,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing ${FSDPCHECK_TORCH:-torch==2.13.0} into $VENV"
   pip_quiet "${FSDPCHECK_TORCH:-torch==2.13.0}"
 fi
-pip_quiet numpy safetensors accelerate pytest hypothesis ruff "cmake>=3.26" ninja "scikit-build-core>=0.10"
+pip_quiet numpy safetensors accelerate pytest hypothesis ruff "mypy==2.4.1" "cmake>=3.26" ninja "scikit-build-core>=0.10"
 # --no-build-isolation: the extension must be compiled against the torch it will run with.
 echo "setup: building fsdpcheck ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
 "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e . 2>&1 | grep -v "is ignored" || true

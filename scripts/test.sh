@@ -6,4 +6,5 @@ bash scripts/setup.sh
 VENV=${FSDPCHECK_VENV:-.venv}
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+"$VENV/bin/mypy"
 "$VENV/bin/python" -m pytest -q "$@"

@@ -150,3 +150,29 @@ def test_cuda_opcheck():
 
 def test_cuda_backend_compiled():
     assert "cuda" in fsdpcheck.build_info()["backends"]
+
+
+def test_cuda_verify_fingerprint_and_load_in_one_process(tmp_path):
+    from torch import nn
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).cuda()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 5, device="cuda")).sum().backward()
+    opt.step()
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    r = fsdpcheck.verify(m, tmp_path / "ck", optimizer=opt)
+    assert r.ok, str(r)
+    on_gpu = fsdpcheck.fingerprint(m, optimizer=opt)
+    cpu_model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    cpu_model.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
+    assert fsdpcheck.fingerprint(cpu_model) == {
+        k: v for k, v in on_gpu.items() if not k.startswith("optim.")
+    }
+    assert fsdpcheck.fingerprint_checkpoint(tmp_path / "ck") == on_gpu
+    with torch.no_grad():
+        m[0].weight[2, 1] += 1
+    (f,) = fsdpcheck.verify(m, tmp_path / "ck", optimizer=opt).findings
+    assert f.key == "0.weight" and f.max_abs_index == (2, 1)
+    m2 = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).cuda()
+    assert fsdpcheck.load(m2, tmp_path / "ck").ok

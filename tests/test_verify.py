@@ -216,3 +216,16 @@ def test_classify_flat_and_nested_keys():
     assert set(c.state) == {("a.w", "exp_avg"), ("3", "step")}
     assert list(c.groups[0]) == ["lr"]
     assert keys.best_prefix(["a.w"], list(c.model)) == ("model.", "")
+
+
+def test_out_of_memory_while_reading_is_a_finding():
+    from fsdpcheck.sources.memory import MemorySource
+
+    class Exhausted(MemorySource):
+        def read(self, regions, device, out=None):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    m, _ = small_model()
+    r = fsdpcheck.verify(m, Exhausted(m.state_dict()))
+    assert {f.kind for f in r.findings} == {"error"}
+    assert len(r.findings) == 4 and "out of memory" in r.findings[0].message
