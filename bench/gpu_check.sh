@@ -22,7 +22,7 @@ python -c "import fsdpcheck; print(fsdpcheck.build_info())"
 
 t0=$(date +%s)
 timeout 200 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
-  > "$OUT/tests.log" 2>&1
+  tests/test_verify.py tests/test_checkpoint.py > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/tests.log"
 echo "tests: rc=$tests_rc, $(( $(date +%s) - t0 )) s"
@@ -32,7 +32,12 @@ timeout 170 python bench/bench_kernels.py --device cuda --reps 10 --json "$OUT/b
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc, $(( $(date +%s) - t0 )) s"
+# verify / load / fingerprint on 2 ranks sharing the GPU over gloo (a small model: the path, not speed).
+timeout 90 python bench/bench_verify.py --device cuda --ranks 2 --layers 2 --hidden 1024 \
+  --json "$OUT/verify.json" > "$OUT/verify.log" 2>&1
+verify_rc=$?
+grep -E "^#|^[a-z]" "$OUT/verify.log" | grep -v "Warning" | tail -14
 # The table last.
 grep -E "^# device|^workload|^(llama|small|cpu-mix)" "$OUT/bench.log" | grep -v "^  " | tail -45
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "tests rc=$tests_rc bench rc=$bench_rc verify rc=$verify_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$verify_rc" -eq 0 ]
