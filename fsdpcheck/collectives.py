@@ -109,23 +109,24 @@ def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combine
     counts = comm.all_reduce(counts, dist.ReduceOp.SUM)
     gmax = comm.all_reduce(maxima.clone(), dist.ReduceOp.MAX)
 
-    # Smallest global index among the ranks holding the maximum.
-    cand = torch.full((k, 2), INT64_MAX, dtype=torch.int64)
-    for i, s in enumerate(stats):
-        if s.max_abs_idx >= 0 and s.max_abs == gmax[i, 0].item():
-            cand[i, 0] = s.max_abs_idx
-        if s.max_rel_idx >= 0 and s.max_rel == gmax[i, 1].item():
-            cand[i, 1] = s.max_rel_idx
-    gmin = comm.all_reduce(cand, dist.ReduceOp.MIN)
+    # Smallest global index among the ranks holding the maximum. (Python lists in the loops:
+    # indexing tensors element by element costs microseconds each, and there may be 10**4 keys.)
+    gmax_l = gmax.tolist()
+    cand = [
+        [
+            s.max_abs_idx if s.max_abs_idx >= 0 and s.max_abs == m[0] else INT64_MAX,
+            s.max_rel_idx if s.max_rel_idx >= 0 and s.max_rel == m[1] else INT64_MAX,
+        ]
+        for s, m in zip(stats, gmax_l)
+    ]
+    gmin_l = _as_rows(comm.all_reduce(_int_tensor(cand, k), dist.ReduceOp.MIN))
 
     # The smallest rank holding that element.
-    who = torch.full((k, 2), INT64_MAX, dtype=torch.int64)
-    for i in range(k):
-        if cand[i, 0] != INT64_MAX and cand[i, 0] == gmin[i, 0]:
-            who[i, 0] = comm.rank
-        if cand[i, 1] != INT64_MAX and cand[i, 1] == gmin[i, 1]:
-            who[i, 1] = comm.rank
-    gwho = comm.all_reduce(who, dist.ReduceOp.MIN)
+    who = [
+        [comm.rank if c != INT64_MAX and c == g else INT64_MAX for c, g in zip(cs, gs)]
+        for cs, gs in zip(cand, gmin_l)
+    ]
+    gwho_l = _as_rows(comm.all_reduce(_int_tensor(who, k), dist.ReduceOp.MIN))
     # Replicas: every rank's (box, fingerprint) per key, compared among ranks with the same box.
     # One all-gather of two words per key per rank, together with the small extras.
     replicas = [
@@ -135,7 +136,7 @@ def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combine
     extras = [e for _, e in gathered]
 
     out = []
-    counts_l, gmax_l, gmin_l, gwho_l = counts.tolist(), gmax.tolist(), gmin.tolist(), gwho.tolist()
+    counts_l = counts.tolist()
     for i in range(k):
         out.append(
             Combined(
@@ -150,6 +151,14 @@ def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combine
             )
         )
     return out, extras
+
+
+def _int_tensor(rows: list[list[int]], k: int) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64).reshape(k, 2)
+
+
+def _as_rows(t: torch.Tensor) -> list[list[int]]:
+    return t.tolist()
 
 
 def _disagreeing(copies: list[tuple[int, int] | None]) -> list[list[int]] | None:

@@ -42,6 +42,9 @@ class DCPSource(Source):
         self._reader.set_up_storage_reader(self._md, is_coordinator=True)
         planner_data = self._md.planner_data if isinstance(self._md.planner_data, dict) else {}
         self._entries: dict[str, Entry] = {}
+        # Per tensor key: chunk offsets -> sizes, for the common case of a region that is
+        # exactly one saved chunk (a reload with the layout it was saved with).
+        self._chunk_at: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         for key, meta in self._md.state_dict_metadata.items():
             raw = planner_data.get(key)
             path_t = tuple(str(p) for p in raw) if raw else (key,)
@@ -49,6 +52,7 @@ class DCPSource(Source):
                 self._entries[key] = Entry(
                     key, path_t, tuple(meta.size), meta.properties.dtype, is_tensor=True
                 )
+                self._chunk_at[key] = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
             elif isinstance(meta, BytesStorageMetadata):
                 self._entries[key] = Entry(key, path_t, is_tensor=False)
 
@@ -79,7 +83,11 @@ class DCPSource(Source):
                 dests.append(torch.empty(region.size, dtype=entry.dtype, device=device))
             if region.numel == 0:
                 continue
-            for c_off, c_size in self.chunks(region.key):
+            if self._chunk_at[region.key].get(region.offset) == region.size:
+                chunks = [(region.offset, region.size)]  # exactly one saved chunk
+            else:
+                chunks = self.chunks(region.key)
+            for c_off, c_size in chunks:
                 lo = [max(a, b) for a, b in zip(region.offset, c_off)]
                 hi = [
                     min(a + s, b + t)
