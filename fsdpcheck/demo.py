@@ -306,19 +306,37 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
         Path(out, "outcomes.json").write_text(json.dumps([asdict(o) for o in outcomes]))
     dist.barrier()
     dist.destroy_process_group()
+    Path(out, f"done_{rank}").touch()
 
 
-def run(world: int = 4, device: str = "cpu") -> list[Outcome]:
+def run(world: int = 4, device: str = "cpu", timeout: float = 600) -> list[Outcome]:
     """Runs the demo on `world` spawned ranks; the outcomes (rank 0's table)."""
     import torch.multiprocessing as mp
 
     if world < 2 or world % 2:
         raise ValueError(f"the demo needs an even number of ranks >= 2, not {world}")
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        mp.spawn(_rank_main, args=(world, port, device, tmp), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, port, device, tmp)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        # NOTE: [exit codes] A gloo process sometimes aborts in its exit handlers ("terminate
+        # called without an active exception") after finishing its work; success is every rank
+        # having reached the end, not the exit codes.
+        missing = [r for r in range(world) if not Path(tmp, f"done_{r}").exists()]
+        if missing or not Path(tmp, "outcomes.json").exists():
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError(f"demo ranks {missing} did not finish (exit codes {codes})")
         rows = json.loads(Path(tmp, "outcomes.json").read_text())
     return [Outcome(**r) for r in rows]
 
