@@ -159,7 +159,10 @@ class _Verifier:
 
     # ---------------------------------------------------------------------------------------
     def run(self, model: Any, reference: Any, optimizer: Any, t0: float) -> Report:
-        source, live, groups, setup_error = self._setup(model, reference, optimizer)
+        try:
+            source, live, groups, setup_error = self._setup(model, reference, optimizer)
+        except Exception as exc:  # whatever happens here, every rank reaches the gather below
+            source, live, groups, setup_error = None, [], None, describe_error(exc)
         # Agree before any per-key collective: the same keys and the same checkpoint everywhere.
         fingerprint = _keys_digest(live, source)
         gathered = self.comm.all_gather_object((setup_error, fingerprint))
