@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -33,7 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fsdpcheck._spawn import spawn
 
 
 def _trim() -> None:
@@ -214,23 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = tmp
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=rank_main, args=(r, args.ranks, port, args, tmp))
-            for r in range(args.ranks)
-        ]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
+        codes = spawn(rank_main, args.ranks, (args, tmp))
         # Success is every rank's result file, not exit codes: a gloo process sometimes aborts
         # in its exit handlers after finishing.
         missing = [r for r in range(args.ranks) if not Path(tmp, f"rank{r}.json").exists()]
         if missing:
-            raise SystemExit(f"ranks {missing} failed (exit codes {[p.exitcode for p in procs]})")
+            raise SystemExit(f"ranks {missing} failed (exit codes {codes})")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
     methods = [k for k, v in per_rank[0].items() if isinstance(v, dict) and "s" in v]
     base = max(r["dcp.load"]["s"] for r in per_rank)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -311,31 +310,14 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
 
 def run(world: int = 4, device: str = "cpu", timeout: float = 600) -> list[Outcome]:
     """Runs the demo on `world` spawned ranks; the outcomes (rank 0's table)."""
-    import torch.multiprocessing as mp
+    from fsdpcheck._spawn import spawn
 
     if world < 2 or world % 2:
         raise ValueError(f"the demo needs an even number of ranks >= 2, not {world}")
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world, port, device, tmp)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        # NOTE: [exit codes] A gloo process sometimes aborts in its exit handlers ("terminate
-        # called without an active exception") after finishing its work; success is every rank
-        # having reached the end, not the exit codes.
+        codes = spawn(_rank_main, world, (device, tmp), timeout)
         missing = [r for r in range(world) if not Path(tmp, f"done_{r}").exists()]
         if missing or not Path(tmp, "outcomes.json").exists():
-            codes = [p.exitcode for p in procs]
             raise RuntimeError(f"demo ranks {missing} did not finish (exit codes {codes})")
         rows = json.loads(Path(tmp, "outcomes.json").read_text())
     return [Outcome(**r) for r in rows]

@@ -5,18 +5,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fsdpcheck._spawn import spawn
 
 
 def _worker(rank: int, world: int, port: int, target: str, workdir: str) -> None:
@@ -43,24 +36,12 @@ def _worker(rank: int, world: int, port: int, target: str, workdir: str) -> None
 def run_ranks(world: int, target: str, workdir: Path, timeout: float = 600) -> list[dict]:
     """Runs `module:function(rank, world, workdir) -> dict` on `world` ranks; their results."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, target, str(workdir)))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    codes = spawn(_worker, world, (target, str(workdir)), timeout)
     results = []
     for r in range(world):
         f = workdir / f"result_{r}.json"
         if not f.exists():
-            raise RuntimeError(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
+            raise RuntimeError(f"rank {r} wrote no result (exit code {codes[r]})")
         results.append(json.loads(f.read_text()))
     for r, res in enumerate(results):
         if "__crash__" in res:
