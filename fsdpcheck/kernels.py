@@ -140,30 +140,34 @@ def compare(
     if not (rtol >= 0.0 and atol >= 0.0):
         raise ValueError(f"fsdpcheck.compare: rtol and atol must be >= 0, got {rtol}, {atol}")
     box_list = _check_boxes(boxes, len(actual), "compare")
+    # One pass: check each pair and group by device. Messages are formatted only on error:
+    # this loop runs for every tensor, often thousands of times.
+    groups: dict[torch.device, list[int]] = {}
     for i, (a, e) in enumerate(zip(actual, expected)):
-        _check_tensor(a, f"actual[{i}]", "compare")
-        _check_tensor(e, f"expected[{i}]", "compare")
+        _check_tensor(a, "actual", i, "compare")
+        _check_tensor(e, "expected", i, "compare")
         if a.shape != e.shape:
             raise ValueError(
                 f"fsdpcheck.compare: pair {i} has shapes {tuple(a.shape)} (actual) and "
                 f"{tuple(e.shape)} (expected)"
             )
-        if a.device != e.device:
+        dev = a.device
+        if e.device != dev:
             raise ValueError(
                 f"fsdpcheck.compare: pair {i} is on {a.device} (actual) and {e.device} "
                 "(expected); move both to one device"
             )
+        groups.setdefault(dev, []).append(i)
     resolved = [_resolve_box(a, b, i, "compare") for i, (a, b) in enumerate(zip(actual, box_list))]
 
-    out: list[TensorDiff] = []
-    rows: dict[int, tuple[list[int], list[float]]] = {}
-    for idx in _group_by_device(actual).values():
-        group = [actual[i] for i in idx]
+    out: list[TensorDiff | None] = [None] * len(actual)
+    for idx in groups.values():
+        group = [actual[i] for i in idx] if len(groups) > 1 else actual
         shapes, offsets = _flat_boxes(group, [resolved[i] for i in idx])
         with torch.no_grad():
             table = ops.compare_rows(
                 group,
-                [expected[i] for i in idx],
+                [expected[i] for i in idx] if len(groups) > 1 else expected,
                 shapes,
                 offsets,
                 rtol,
@@ -173,11 +177,8 @@ def compare(
                 stats,
             ).cpu()
         for i, words, floats in zip(idx, table.tolist(), table.view(torch.float64).tolist()):
-            rows[i] = (words, floats)
-    for i, a in enumerate(actual):
-        words, floats = rows[i]
-        out.append(_to_diff(a, resolved[i], words, floats, fingerprints, stats))
-    return out
+            out[i] = _to_diff(actual[i], resolved[i], words, floats, fingerprints, stats)
+    return out  # type: ignore[return-value]  # every slot was filled above
 
 
 def fingerprint_tensors(
@@ -201,7 +202,7 @@ def fingerprint_tensors(
     tensors = list(tensors)
     box_list = _check_boxes(boxes, len(tensors), "fingerprint_tensors")
     for i, t in enumerate(tensors):
-        _check_tensor(t, f"tensors[{i}]", "fingerprint_tensors")
+        _check_tensor(t, "tensors", i, "fingerprint_tensors")
     resolved = [
         _resolve_box(t, b, i, "fingerprint_tensors")
         for i, (t, b) in enumerate(zip(tensors, box_list))
@@ -245,16 +246,17 @@ def build_info() -> dict[str, object]:
     }
 
 
-def _check_tensor(t: object, where: str, fn: str) -> None:
-    # The common case, checked without the slower generic tests below.
+def _check_tensor(t: object, side: str, i: int, fn: str) -> None:
+    # The common case, checked without the slower generic tests below (the operator checks the
+    # layout again, so a sparse tensor still gets its clear error).
     if (
-        isinstance(t, torch.Tensor)
-        and type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.dtype in SUPPORTED_DTYPES
-        and t.layout == torch.strided
-        and t.device.type != "meta"
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.dtype in SUPPORTED_DTYPES  # type: ignore[attr-defined]
+        and not t.is_meta  # type: ignore[attr-defined]
+        and t.is_sparse is False  # type: ignore[attr-defined]
     ):
         return
+    where = f"{side}[{i}]"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fsdpcheck.{fn}: {where} is a {type(t).__name__}, not a torch.Tensor")
     if _is_dtensor(t):
