@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,18 @@ def into(value: torch.Tensor, out: torch.Tensor | None, device: torch.device) ->
     if out is not None:
         return out.copy_(value)
     return value.to(device, copy=value.device.type == "cpu" and device.type == "cpu")
+
+
+def read_each(
+    regions: Sequence[Region],
+    device: torch.device,
+    out: Sequence[torch.Tensor] | None,
+    fetch: Callable[[Region], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Source.read for sources that fetch one region at a time (on the CPU)."""
+    return [
+        into(fetch(r), out[i] if out is not None else None, device) for i, r in enumerate(regions)
+    ]
 
 
 def slices(region: Region) -> tuple[slice, ...]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import Entry, Region, Source, into, nested_entries, slices
+from fsdpcheck.sources.base import Entry, Region, Source, nested_entries, read_each, slices
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -55,11 +55,11 @@ class TorchSaveSource(Source):
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Slices of the mapped tensors, copied to `device` (only their pages are read)."""
-        result = []
-        for i, r in enumerate(regions):
-            t = self._values[r.key][slices(r)] if r.size else self._values[r.key]
-            result.append(into(t, out[i] if out is not None else None, device))
-        return result
+
+        def fetch(r: Region) -> torch.Tensor:
+            return self._values[r.key][slices(r)] if r.size else self._values[r.key]
+
+        return read_each(regions, device, out, fetch)
 
     def read_object(self, key: str) -> Any:
         """A non-tensor leaf."""
@@ -130,9 +130,9 @@ class SafetensorsSource(Source):
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Each region read with get_slice (only its bytes), then moved to `device`."""
-        result = []
-        for i, r in enumerate(regions):
+
+        def fetch(r: Region) -> torch.Tensor:
             h = self._handles[self._file_of[r.key]]
-            t = h.get_slice(r.key)[slices(r)] if r.size else h.get_tensor(r.key)
-            result.append(into(t, out[i] if out is not None else None, device))
-        return result
+            return h.get_slice(r.key)[slices(r)] if r.size else h.get_tensor(r.key)
+
+        return read_each(regions, device, out, fetch)
