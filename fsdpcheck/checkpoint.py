@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 from fsdpcheck import keys as keymod
-from fsdpcheck.collectives import Comm
+from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprint import fingerprint_report, fingerprints_differ
 from fsdpcheck.layout import local_layout
 from fsdpcheck.live import flat_live
@@ -99,12 +98,14 @@ def save(
         "entries": entries,
         "findings_at_save": [f.describe() for f in fps.findings],
     }
-    if comm.rank == 0:
-        tmp = path / (MANIFEST_NAME + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        tmp.replace(path / MANIFEST_NAME)  # atomic: readers never see half a manifest
-    if comm.enabled:
-        dist.barrier(group=group)
+
+    def write() -> None:
+        if comm.rank == 0:
+            tmp = path / (MANIFEST_NAME + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1))
+            tmp.replace(path / MANIFEST_NAME)  # atomic: readers never see half a manifest
+
+    agree(comm, write, "writing the manifest")  # also the barrier: it is on disk for everyone
     return manifest
 
 
@@ -202,11 +203,13 @@ def load(
         )
     comm = Comm(group)
     path = Path(path)
-    marked = _fill_sentinel(model, optimizer) if sentinel else []
+    marked = agree(comm, lambda: _fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
     if kind == "sharded":
-        _load_sharded(model, optimizer, path, group, comm)
+        _load_sharded(model, optimizer, path, group, comm)  # DCP reports failures collectively
     else:
-        _load_full(model, optimizer, path)
+        # Reading is local and may fail on one rank: agree on it before torch's collectives.
+        full, osd = agree(comm, lambda: _read_full(model, optimizer, path), f"reading {path}")
+        _apply_full(model, optimizer, full, osd)
     notes = [f"loaded {what} as a {kind} checkpoint"]
     findings = _unwritten(marked, comm) if sentinel else []
     report: Report
@@ -295,13 +298,8 @@ def _containers(source: Any) -> tuple[str | None, str | None]:
     return model_at, optim_at
 
 
-def _load_full(model: Any, optimizer: Any, path: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
+def _read_full(model: Any, optimizer: Any, path: Path) -> tuple[dict, dict | None]:
+    """The full model (and optimizer) state from a full checkpoint, on the CPU; local I/O only."""
     from fsdpcheck.live import live_state_dicts
     from fsdpcheck.sources import open_source
 
@@ -315,10 +313,23 @@ def _load_full(model: Any, optimizer: Any, path: Path) -> None:
         ckpt = by_name.get(keymod.map_with(prefix, fqn))
         if ckpt is not None:
             (full[fqn],) = source.read([_whole(source, ckpt)], torch.device("cpu"))
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, cast(Any, full), options=options)
+    osd = None
     if optimizer is not None and classified.state:
         osd = _full_optimizer_state(source, classified, optimizer, model)
+    return full, osd
+
+
+def _apply_full(model: Any, optimizer: Any, full: dict, osd: dict | None) -> None:
+    """Each rank keeps its shards of the full state (collective inside torch)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, cast(Any, full), options=options)
+    if osd is not None:
         set_optimizer_state_dict(model, optimizer, osd, options=options)
 
 

@@ -7,6 +7,7 @@ an exception).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,27 @@ class Comm:
         x = t.to(self.device, copy=True)  # never reduce the caller's tensor in place
         dist.all_reduce(x, op=op, group=self.group)
         return x.cpu()
+
+
+def agree(comm: Comm, fn: Callable[[], Any], what: str) -> Any:
+    """Runs `fn` on this rank; if it failed on any rank, raises the same error on every rank.
+
+    For local steps between collectives: an exception on one rank alone would leave the others
+    waiting in the next collective forever. Costs one small all-gather.
+    """
+    from fsdpcheck.live import describe_error
+
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as exc:
+        error = describe_error(exc)
+    failed = [(rank, e) for rank, e in enumerate(comm.all_gather_object(error)) if e]
+    if failed:
+        rank, message = failed[0]
+        others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise RuntimeError(f"{what} failed on rank {rank}{others}: {message}")
+    return result
 
 
 def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combined], list[Any]]:

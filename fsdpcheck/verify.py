@@ -165,17 +165,19 @@ class _Verifier:
             source, live, groups, setup_error = None, [], None, describe_error(exc)
         # Agree before any per-key collective: the same keys and the same checkpoint everywhere.
         fingerprint = _keys_digest(live, source)
-        gathered = self.comm.all_gather_object((setup_error, fingerprint))
-        report = Report(reference=source.description if source else str(reference))
-        report.world_size = self.comm.world
-        errors = [(r, e) for r, (e, _) in enumerate(gathered) if e]
+        described = source.description if source else str(reference)
+        gathered = self.comm.all_gather_object((setup_error, fingerprint, described))
+        # Rank 0's description, so that the report is the same everywhere even if some rank
+        # could not open the reference.
+        report = Report(reference=gathered[0][2], world_size=self.comm.world)
+        errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e]
         if errors:
             ranks = [r for r, _ in errors]
             msg = errors[0][1] + ("" if len(errors) == 1 else f" (and on ranks {ranks[1:]})")
             report.findings = [Finding("*", "error", msg, rank=ranks[0], ranks=ranks)]
             report.seconds = time.perf_counter() - t0
             return report
-        if len({fp for _, fp in gathered}) != 1:
+        if len({fp for _, fp, _ in gathered}) != 1:
             report.findings = [
                 Finding(
                     "*",

@@ -109,6 +109,9 @@ def main(rank: int, world: int, workdir: Path) -> dict[str, Any]:
             acc.save_state(str(full))
         finally:
             acc.state.fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT")
+        # accelerate may still be writing the full-state files on another rank when save_state
+        # returns here (every rank writes optimizer.bin): wait for all of them.
+        dist.barrier()
         files = sorted(p.name for p in full.iterdir())
         perturb()  # the sharded model did not get the full state
         report = summary(verify_state(acc, full))

@@ -273,3 +273,11 @@ def test_save_then_load_fingerprint_verified(w4):
     assert s["untouched"]
     assert s["full_load"]["ok"], s["full_load"]["text"]
     assert s["full_same_fingerprints"]
+
+
+def test_a_failure_on_one_rank_reaches_every_rank_without_a_hang(w4):
+    r = w4["one_rank_fails"]
+    (f,) = r["verify"]["findings"]
+    assert f["kind"] == "error" and f["rank"] == 2 and "simulated" in f["message"]
+    assert r["load_error"] is not None
+    assert "failed on rank 1" in r["load_error"] and "simulated" in r["load_error"]

@@ -444,8 +444,36 @@ def world4(rank: int, world: int, workdir: Path) -> dict[str, Any]:
             "full_same_fingerprints": same,
         }
 
+    def one_rank_fails() -> Any:
+        """A failure on one rank only: every rank gets the same verdict, nobody hangs."""
+        import importlib
+        from unittest import mock
+
+        # The modules (fsdpcheck.verify is also the name of the function the package exports).
+        vmod = importlib.import_module("fsdpcheck.verify")
+        ckmod = importlib.import_module("fsdpcheck.checkpoint")
+
+        def unreadable(*_: Any) -> Any:
+            raise OSError("Input/output error (simulated on this rank only)")
+
+        with mock.patch.object(vmod, "open_source", unreadable if rank == 2 else vmod.open_source):
+            verify_r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
+        full_path = workdir / "full_for_fail.pt"
+        if rank == 0:
+            torch.save({"model": full}, full_path)
+        dist.barrier()
+        fail_on_1 = unreadable if rank == 1 else ckmod._read_full
+        with mock.patch.object(ckmod, "_read_full", fail_on_1):
+            try:
+                fsdpcheck.load(fresh, full_path, verify=None)
+                load_error = None
+            except RuntimeError as exc:
+                load_error = str(exc)
+        return {"verify": verify_r, "load_error": load_error}
+
     return run_all(
         {
+            "one_rank_fails": one_rank_fails,
             "fp_layouts": fp_layouts,
             "fp_faults": fp_faults,
             "replicas": replicas,

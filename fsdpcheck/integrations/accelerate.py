@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.report import Finding, Report
-from fsdpcheck.sources import MergedSource, Source, accelerate_parts, open_source
+from fsdpcheck.sources import accelerate_parts
 from fsdpcheck.verify import verify
 
 
@@ -56,13 +56,15 @@ def verify_state(
                 Finding(prefix + "*", "missing", f"no model checkpoint {i} in {input_dir}")
             )
             continue
-        sources: list[Source] = [open_source(model_path)]
+        # Paths, not opened sources: verify opens them itself, so that a file one rank cannot
+        # read becomes a finding on every rank instead of an exception that leaves the others
+        # waiting in verify's collectives.
+        reference: list[Path] = [model_path]
         if optimizer is not None and optim_path is not None:
-            sources.append(open_source(optim_path))
+            reference.append(optim_path)
         elif optimizer is not None:
             combined.notes.append(f"{prefix}no optimizer state saved in {input_dir}")
             optimizer = None
-        reference = MergedSource(sources) if len(sources) > 1 else sources[0]
         report = verify(
             accelerator.unwrap_model(model) if _is_ddp(model) else model,
             reference,

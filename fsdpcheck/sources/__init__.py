@@ -58,7 +58,8 @@ def open_source(reference: Any) -> Source:
         reference: A DCP checkpoint directory; an accelerate save_state directory (its sharded
             model and optimizer directories, read as one); a torch.save file (.pt/.pth/.bin); a
             .safetensors file, a ``*.safetensors.index.json`` or a directory of them; a directory
-            holding exactly one torch.save file; a mapping of full tensors; or a full nn.Module.
+            holding exactly one torch.save file; a mapping of full tensors; a full nn.Module;
+            or a list/tuple of any of these, read as one (their keys must not collide).
 
     Returns:
         The Source.
@@ -71,6 +72,9 @@ def open_source(reference: Any) -> Source:
         return reference
     if isinstance(reference, (Mapping, torch.nn.Module)):
         return MemorySource(reference)
+    if isinstance(reference, (list, tuple)):
+        parts = [open_source(r) for r in reference]
+        return parts[0] if len(parts) == 1 else MergedSource(parts)
     if not isinstance(reference, (str, Path)):
         raise TypeError(
             f"reference must be a path, a mapping of tensors or an nn.Module, not "
