@@ -316,14 +316,15 @@ void for_each_run(const TensorPlan& p, int64_t l0, int64_t l1, Fn&& fn) {
 }
 
 // The scalar path: every element through the same header functions the CUDA kernels call
-// (locate, accumulate_element, accumulate_mixed). Exposed as fsdpcheck::_reference so that the
+// (chunk_start, locate_in_chunk, accumulate_element, accumulate_mixed). Exposed as fsdpcheck::_reference so that the
 // CPU tests exercise the CUDA kernels' per-element code even where no GPU is present.
 void process_chunk_scalar(const TensorPlan& p, int64_t c, const Options& o, Partial& out) {
   partial_init(out);
   const int64_t l0 = c * kChunk;
   const int64_t l1 = std::min(l0 + kChunk, p.numel);
+  const ChunkStart start = chunk_start(p, l0);
   if (p.e != nullptr && p.dtype_a != p.dtype_e) {
-    for (int64_t l = l0; l < l1; ++l) accumulate_mixed(out, p, locate(p, l), o);
+    for (int64_t l = l0; l < l1; ++l) accumulate_mixed(out, p, locate_in_chunk(p, start, l - l0), o);
     return;
   }
   visit_dtype(p.dtype_a, [&](auto tag) {
@@ -332,7 +333,7 @@ void process_chunk_scalar(const TensorPlan& p, int64_t c, const Options& o, Part
     const B* a = reinterpret_cast<const B*>(p.a);
     const B* e = reinterpret_cast<const B*>(p.e);
     for (int64_t l = l0; l < l1; ++l) {
-      const Location loc = locate(p, l);
+      const Location loc = locate_in_chunk(p, start, l - l0);
       const uint64_t key = hash_key(static_cast<uint64_t>(loc.g));
       if (e == nullptr) {
         accumulate_element<D, false>(out, a[loc.off_a], B{0}, loc.g, key, o);

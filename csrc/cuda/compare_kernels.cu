@@ -151,8 +151,8 @@ __device__ __forceinline__ bool aligned(const char* ptr) {
 // Elements [l0, l1) of a same-dtype input. Each thread visits its elements in increasing global
 // index order (take_max's tie rule does not need it, but the equal-bits path stays cheap).
 template <DType D, bool kHasE>
-__device__ void process_same(const TensorPlan& p, int64_t l0, int64_t l1, const Options& o,
-                             Partial& acc) {
+__device__ void process_same(const TensorPlan& p, const ChunkStart& start, int64_t l0,
+                             int64_t l1, const Options& o, Partial& acc) {
   using B = typename Traits<D>::Bits;
   const B* a = reinterpret_cast<const B*>(p.a);
   const B* e = reinterpret_cast<const B*>(p.e);
@@ -192,7 +192,7 @@ __device__ void process_same(const TensorPlan& p, int64_t l0, int64_t l1, const 
     return;
   }
   for (int64_t l = l0 + threadIdx.x; l < l1; l += kThreads) {
-    const Location loc = locate(p, l);
+    const Location loc = locate_in_chunk(p, start, l - l0);
     const B ba = a[loc.off_a];
     const B be = kHasE ? e[loc.off_e] : B{0};
     accumulate_element<D, kHasE>(acc, ba, be, loc.g, hash_key(static_cast<uint64_t>(loc.g)), o);
@@ -203,12 +203,14 @@ template <bool kHasE, bool kFingerprints>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     chunk_kernel(const int64_t* __restrict__ meta, int n, Options o, Partial* __restrict__ partials) {
   __shared__ TensorPlan plan;
+  __shared__ ChunkStart start;  // NOTE: [chunk-relative indexing]: one per block, not per thread
   __shared__ int64_t chunk_in_tensor;
   const int64_t chunk = blockIdx.x;
   if (threadIdx.x == 0) {
     const int t = find_tensor(meta, n, chunk);
     load_plan(meta + meta[n + 1 + t], plan);
     chunk_in_tensor = chunk - meta[t];
+    start = chunk_start(plan, chunk_in_tensor * kChunk);
   }
   __syncthreads();
   o.fingerprints = kFingerprints;  // a compile-time constant from here on
@@ -218,11 +220,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   partial_init(acc);
   if (kHasE && plan.dtype_a != plan.dtype_e) {
     for (int64_t l = l0 + threadIdx.x; l < l1; l += kThreads) {
-      accumulate_mixed(acc, plan, locate(plan, l), o);
+      accumulate_mixed(acc, plan, locate_in_chunk(plan, start, l - l0), o);
     }
   } else {
     visit_dtype(plan.dtype_a, [&](auto tag) {
-      process_same<decltype(tag)::value, kHasE>(plan, l0, l1, o, acc);
+      process_same<decltype(tag)::value, kHasE>(plan, start, l0, l1, o, acc);
     });
   }
   block_reduce(acc);
