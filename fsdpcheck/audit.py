@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -97,11 +98,11 @@ def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, p
                     )
                 )
                 continue
-            if MetadataIndex(key, c.offsets) not in md.storage_data and _prod(size) > 0:
+            if MetadataIndex(key, c.offsets) not in md.storage_data and math.prod(size) > 0:
                 findings.append(
                     Finding(prefix + key, "missing", f"chunk at offset {off} has no storage entry")
                 )
-            if _prod(size) > 0 or not shape:
+            if math.prod(size) > 0 or not shape:
                 boxes.append((off, size))
         for problem in tiling_problems(shape, boxes):
             findings.append(Finding(prefix + key, "layout", problem))
@@ -307,10 +308,3 @@ def _at(where: tuple[str, ...], d: int, lo: int, hi: int) -> str:
     """A region in index notation, e.g. [0:4, 6:8] (d: the dim of lo:hi, after `where`)."""
     del d
     return "[" + ", ".join((*where, f"{lo}:{hi}")) + "]"
-
-
-def _prod(xs: Sequence[int]) -> int:
-    n = 1
-    for x in xs:
-        n *= int(x)
-    return n

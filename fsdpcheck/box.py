@@ -54,6 +54,14 @@ class Box:
         return unravel(linear_index, self.shape)
 
 
+def ravel(index: Sequence[int], shape: Sequence[int]) -> int:
+    """The row-major linear index of a multi-index in ``shape``."""
+    out = 0
+    for i, g in zip(index, shape):
+        out = out * g + i
+    return out
+
+
 def unravel(linear_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The multi-index of a row-major linear index in ``shape``."""
     if len(shape) == 1:

@@ -7,6 +7,7 @@ GPU when there is one, and reported like ``verify`` (global indices; no ranks: f
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -146,19 +147,14 @@ def _match(sa: Source, sb: Source) -> tuple[list[tuple[str, str, str]], list[Fin
 
 def _nbytes(source: Source, key: str) -> int:
     e = source.entries()[key]
-    n = e.dtype.itemsize  # type: ignore[union-attr]
-    for s in e.shape:
-        n *= s
-    return n
+    return e.dtype.itemsize * math.prod(e.shape)  # type: ignore[union-attr]
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int, budget: int) -> list[Region]:
     """Row blocks of a tensor of at most `budget` bytes (at least one row)."""
     if not shape:
         return [Region("", (), ())]
-    row = itemsize
-    for s in shape[1:]:
-        row *= s
+    row = itemsize * math.prod(shape[1:])
     rows = max(1, budget // max(row, 1))
     out = []
     for r0 in range(0, max(shape[0], 1), rows):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -227,9 +228,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
             chunks = chunks_of(key) if chunks_of else [((0,) * len(e.shape), e.shape)]
             nonempty = [b for b in chunks if all(s > 0 for s in b[1]) or not e.shape]
             problems = tiling_problems(e.shape, nonempty)
-            n = 1
-            for s in e.shape:
-                n *= s
+            n = math.prod(e.shape)
             tensors.append(
                 {
                     "key": prefix + key,

@@ -8,6 +8,7 @@ is the same whatever the world size, mesh, placements or device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from fsdpcheck import keys as keymod
-from fsdpcheck.box import Box
+from fsdpcheck.box import Box, ravel
 from fsdpcheck.collectives import Comm
 from fsdpcheck.kernels import SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.layout import local_layout
@@ -110,7 +111,7 @@ def fingerprint_report(
         tensors, boxes, owners = [], [], []
         for key in sorted(live):
             lay = local_layout(live[key], comm.world)
-            numels[key] = _prod(lay.global_shape)
+            numels[key] = math.prod(lay.global_shape)
             if lay.error is not None:
                 errors.append((key, "layout", lay.error))
                 continue
@@ -124,7 +125,7 @@ def fingerprint_report(
         fps = fingerprint_tensors(tensors, boxes=boxes) if tensors else []
         for key, box, fp, t in zip(owners, boxes, fps, tensors):
             assert box.offset is not None
-            rows.append((key, _linear(box.offset, box.shape), t.numel(), fp))
+            rows.append((key, ravel(box.offset, box.shape), t.numel(), fp))
     except Exception as exc:  # never leave the other ranks waiting in the gather below
         errors.append(("*", "error", describe_error(exc)))
     gathered = comm.all_gather_object((rows, errors, numels))
@@ -251,9 +252,9 @@ def _regions(
     boxes = chunks(key) if chunks is not None else [((0,) * len(shape), tuple(shape))]
     out = []
     for offset, size in boxes:
-        if _prod(size) == 0 and len(size) > 0:
+        if math.prod(size) == 0 and len(size) > 0:
             continue
-        row = _prod(size[1:]) * itemsize if len(size) > 1 else itemsize
+        row = math.prod(size[1:]) * itemsize if len(size) > 1 else itemsize
         rows = max(1, budget // max(row, 1))
         if len(size) == 0 or size[0] <= rows:
             out.append(Region(key, tuple(offset), tuple(size)))
@@ -273,20 +274,6 @@ def _hash_batch(
     boxes = [Box(entries[k].shape, r.offset) for k, r in batch]
     for (key, _), fp in zip(batch, fingerprint_tensors(tensors, boxes=boxes)):
         out[names[key]] = (out[names[key]] + fp) & MASK64
-
-
-def _prod(xs: Any) -> int:
-    n = 1
-    for x in xs:
-        n *= int(x)
-    return n
-
-
-def _linear(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    out = 0
-    for i, g in zip(index, shape):
-        out = out * g + i
-    return out
 
 
 def fingerprints_differ(expected: Mapping[str, int], actual: Mapping[str, int]) -> list[Finding]:

@@ -6,6 +6,7 @@ the operators read every input exactly once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -305,10 +306,7 @@ def _resolve_box(t: torch.Tensor, box: Box | None, i: int, fn: str) -> Box | Non
             f"fsdpcheck.{fn}: boxes[{i}] (global shape {box.shape}, offset {box.offset}) does not "
             f"contain a local tensor of shape {tuple(t.shape)}"
         )
-    numel = 1
-    for s in box.shape:
-        numel *= s
-    if numel >= 1 << 63:
+    if math.prod(box.shape) >= 1 << 63:
         raise ValueError(f"fsdpcheck.{fn}: boxes[{i}] has a global shape of 2**63 elements or more")
     return box
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from fsdpcheck import keys as keymod
-from fsdpcheck.box import Box, unravel
+from fsdpcheck.box import Box, ravel, unravel
 from fsdpcheck.collectives import Comm, KeyStats, combine
 from fsdpcheck.kernels import SUPPORTED_DTYPES, TensorDiff, compare
 from fsdpcheck.layout import Layout, local_layout
@@ -637,9 +638,7 @@ class _Arena:
         sizes = []
         total = 0
         for shape, dtype in specs:
-            n = dtype.itemsize
-            for s in shape:
-                n *= s
+            n = dtype.itemsize * math.prod(shape)
             sizes.append(n)
             total += -(-n // self._ALIGN) * self._ALIGN
         buf = self.buffers.get(device)
@@ -669,7 +668,7 @@ def fold(s: KeyStats, d: TensorDiff, box: Box) -> None:
     ):
         if index is None:
             continue
-        lin = _linear(index, box.shape)
+        lin = ravel(index, box.shape)
         cur, cur_idx = getattr(s, f"max_{attr}"), getattr(s, f"max_{attr}_idx")
         if value > cur or (value == cur and (cur_idx < 0 or lin < cur_idx)):
             setattr(s, f"max_{attr}", value)
@@ -678,14 +677,7 @@ def fold(s: KeyStats, d: TensorDiff, box: Box) -> None:
         s.replica_fp = ((s.replica_fp or 0) + d.fingerprint_actual) % (1 << 64)
         if s.replica_box < 0:
             assert box.offset is not None
-            s.replica_box = _linear(box.offset, box.shape)
-
-
-def _linear(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    out = 0
-    for i, g in zip(index, shape):
-        out = out * g + i
-    return out
+            s.replica_box = ravel(box.offset, box.shape)
 
 
 def _keys_digest(live: list[_Live], source: Source | None) -> str:
