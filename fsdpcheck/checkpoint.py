@@ -72,11 +72,9 @@ def save(
         state = {"model": get_model_state_dict(model)}
     dcp_save(state, checkpoint_id=str(path), process_group=group, no_dist=not comm.enabled)
     fps = fingerprint_report(model, optimizer=optimizer, group=group)
-    live = flat_live(model, optimizer)
     entries: dict[str, Any] = {}
     meshes: set[str] = set()
-    for key in sorted(live):
-        lay = local_layout(live[key], comm.world)
+    for key, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
         if "DTensor" in lay.description:
             meshes.add(lay.description.split(" on mesh ")[-1])
         entries[key] = {

@@ -19,7 +19,7 @@ from fsdpcheck import keys as keymod
 from fsdpcheck.box import Box, ravel
 from fsdpcheck.collectives import Comm
 from fsdpcheck.kernels import SUPPORTED_DTYPES, fingerprint_tensors
-from fsdpcheck.layout import local_layout
+from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import describe_error, flat_live
 from fsdpcheck.report import Finding, Report
 from fsdpcheck.sources import Region, Source, open_source
@@ -39,10 +39,13 @@ class FingerprintResult:
         fingerprints: Key -> Fingerprint v1 (an int in [0, 2**64)), identical on every rank.
         findings: "replica" findings (copies of the same box that differ, with their ranks),
             "layout" findings (values that could not be fingerprinted) and "error" findings.
+        layouts: This rank's Layout of every key (global shape, dtype, placements), as the
+            pass computed them, for callers that describe the keys too (the save manifest).
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    layouts: dict[str, Layout] = field(default_factory=dict)
 
 
 def fingerprint(
@@ -106,11 +109,12 @@ def fingerprint_report(
     rows: list[tuple[str, int, int, int]] = []  # key, box id, numel, fingerprint
     errors: list[tuple[str, str, str]] = []
     numels: dict[str, int] = {}
+    layouts: dict[str, Layout] = {}
     try:
         live = flat_live(model_or_state_dict, optimizer)
         tensors, boxes, owners = [], [], []
         for key in sorted(live):
-            lay = local_layout(live[key], comm.world)
+            lay = layouts[key] = local_layout(live[key], comm.world)
             numels[key] = math.prod(lay.global_shape)
             if lay.error is not None:
                 errors.append((key, "layout", lay.error))
@@ -129,7 +133,9 @@ def fingerprint_report(
     except Exception as exc:  # never leave the other ranks waiting in the gather below
         errors.append(("*", "error", describe_error(exc)))
     gathered = comm.all_gather_object((rows, errors, numels))
-    return _assemble(gathered)
+    result = _assemble(gathered)
+    result.layouts = layouts
+    return result
 
 
 def _assemble(gathered: list[Any]) -> FingerprintResult:
