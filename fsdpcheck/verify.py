@@ -273,11 +273,9 @@ class _Verifier:
         return source, live, groups, None
 
     def _mapped_to_none(self, key: str) -> bool:
-        if self.key_map is None:
-            return False
-        if callable(self.key_map):
-            return self.key_map(key) is None
-        return key in self.key_map and self.key_map[key] is None
+        """Whether the user's key_map says not to check `key` (maps it to None)."""
+        # A default that is not None tells "no entry" (use the detected name) from "None".
+        return self.key_map is not None and keymod.apply_key_map(self.key_map, key, "") is None
 
     def _setup_optimizer(
         self,
