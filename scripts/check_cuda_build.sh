@@ -8,16 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FSDPCHECK_CUDA_VENV:-.venv-cuda}
-PY=${PYTHON:-python3}
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
-pip_quiet() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true; }
+# shellcheck source=scripts/_env.sh
+source scripts/_env.sh
+make_venv
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
   echo "cuda-build: installing ${FSDPCHECK_CUDA_TORCH:-torch==2.14.1} into $VENV"
-  pip_quiet "${FSDPCHECK_CUDA_TORCH:-torch==2.14.1}"
+  pip_install "${FSDPCHECK_CUDA_TORCH:-torch==2.14.1}"
 fi
-pip_quiet numpy safetensors accelerate pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10"
+pip_install numpy safetensors accelerate pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10"
 mkdir -p build; LOG=build/cuda-build.log
 echo "cuda-build: compiling ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), nvcc: $(command -v nvcc || echo none))"
 FSDPCHECK_CUDA=ON FSDPCHECK_WERROR=ON FSDPCHECK_CUDA_ARCHS=${FSDPCHECK_CUDA_ARCHS:-90} \
