@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck import keys as keymod
-from fsdpcheck.live import describe_error
-from fsdpcheck.report import Finding, Report
+from fsdpcheck.report import Finding, Report, describe_error
+from fsdpcheck.sources.tiling import Box, tiling_problems
 
-# At most this many gaps / overlaps are described per key.
-_MAX_PROBLEMS = 4
+__all__ = ["Box", "audit", "tiling_problems"]
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+# What makes a directory look like a checkpoint of some kind (else it is not audited at all).
+_CHECKPOINT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "*.pt", "*.pth", "*.bin",
+                     "*.ckpt")  # fmt: skip
 
 
 def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
@@ -31,6 +28,11 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
     others have some are flagged. For torch.save and safetensors files: readable, with every
     tensor's data inside its storage.
 
+    No code from the checkpoint runs: ``.metadata`` is read with a restricted unpickler and
+    files are loaded weights-only. Gaps are findings of kind "gap"; anything in the checkpoint
+    that is broken or refused (a hostile pickle, a FIFO, a truncated file, an index naming a file
+    outside its folder) is a finding, in one line.
+
     Args:
         path: A DCP directory (or an accelerate save_state directory), a torch.save file, or
             safetensors.
@@ -39,18 +41,31 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
 
     Returns:
         A Report; ``ok`` when nothing is wrong.
+
+    Raises:
+        FileNotFoundError: `path` does not exist (unreadable input, not a finding).
+        ValueError: `path` is a directory holding no checkpoint (empty, or nothing of a
+            supported kind).
     """
+    from fsdpcheck.sources.dcp import is_dcp_dir
+
     t0 = time.perf_counter()
     p = Path(path)
     findings: list[Finding] = []
     notes: list[str] = []
     checked = 0
+    if not os.path.lexists(p):
+        raise FileNotFoundError(f"{p} does not exist")
+    dcp_dirs = [p] if is_dcp_dir(p) else []
+    if p.is_dir() and not dcp_dirs:
+        dcp_dirs = [q for q in sorted(p.iterdir()) if is_dcp_dir(q)]
+        if not dcp_dirs and not any(next(p.glob(g), None) for g in _CHECKPOINT_GLOBS):
+            what = "is empty" if next(p.iterdir(), None) is None else "holds no checkpoint"
+            raise ValueError(
+                f"{p} {what}: expected a DCP directory (with .metadata), safetensors or a "
+                "torch.save file"
+            )
     try:
-        from fsdpcheck.sources.dcp import is_dcp_dir
-
-        if not p.exists():
-            raise FileNotFoundError(f"{p} does not exist")
-        dcp_dirs = [p] if is_dcp_dir(p) else [q for q in sorted(p.glob("*")) if is_dcp_dir(q)]
         if dcp_dirs:
             for d in dcp_dirs:
                 checked += _audit_dcp(
@@ -70,69 +85,20 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
 
 
 def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, prefix: str) -> int:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(p)).read_metadata()
-    tensors = 0
-    for key, meta in md.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        tensors += 1
-        shape = tuple(meta.size)
-        boxes: list[Box] = []
-        for c in meta.chunks:
-            off, size = tuple(c.offsets), tuple(c.sizes)
-            if len(off) != len(shape) or len(size) != len(shape):
-                findings.append(
-                    Finding(prefix + key, "layout", f"chunk at {off} has the wrong number of dims")
-                )
-                continue
-            if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
-                findings.append(
-                    Finding(
-                        prefix + key,
-                        "layout",
-                        f"chunk at offset {off} of size {size} lies outside the global shape "
-                        f"{shape}",
-                    )
-                )
-                continue
-            if MetadataIndex(key, c.offsets) not in md.storage_data and math.prod(size) > 0:
-                findings.append(
-                    Finding(prefix + key, "missing", f"chunk at offset {off} has no storage entry")
-                )
-            if math.prod(size) > 0 or not shape:
-                boxes.append((off, size))
-        for problem in tiling_problems(shape, boxes):
-            findings.append(Finding(prefix + key, "layout", problem))
-    _audit_storage(p, md, findings, prefix)
+    from fsdpcheck.sources.safe_reader import check_storage, read_dcp_metadata
+
+    md = read_dcp_metadata(p)
+    tensors = sum(isinstance(m, TensorStorageMetadata) for m in md.state_dict_metadata.values())
+    for key, kind, message in check_storage(p, md).findings:
+        findings.append(Finding(prefix + key, kind, message))
     _audit_optimizer(md, findings, prefix)
-    _audit_manifest(p, md, findings, notes, deep, prefix)
+    try:
+        _audit_manifest(p, md, findings, notes, deep, prefix)
+    except Exception as exc:  # a malformed manifest is a finding about the manifest
+        findings.append(Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc)))
     return tensors
-
-
-def _audit_storage(p: Path, md: Any, findings: list[Finding], prefix: str) -> None:
-    sizes: dict[str, int | None] = {}
-    for idx, info in md.storage_data.items():
-        rel = info.relative_path
-        if rel not in sizes:
-            f = p / rel
-            sizes[rel] = f.stat().st_size if f.is_file() else None
-        size = sizes[rel]
-        if size is None:
-            findings.append(
-                Finding(prefix + idx.fqn, "error", f"its data file {rel} does not exist")
-            )
-        elif info.offset + info.length > size:
-            findings.append(
-                Finding(
-                    prefix + idx.fqn,
-                    "error",
-                    f"its data in {rel} ends at byte {info.offset + info.length} but the file has "
-                    f"{size} bytes (truncated?)",
-                )
-            )
 
 
 def _audit_optimizer(md: Any, findings: list[Finding], prefix: str) -> None:
@@ -146,7 +112,9 @@ def _audit_optimizer(md: Any, findings: list[Finding], prefix: str) -> None:
         raw = planner.get(key)
         path = tuple(str(x) for x in raw) if raw else (key,)
         entries[key] = Entry(key, path, is_tensor=isinstance(meta, TensorStorageMetadata))
-    c = keymod.classify(entries)
+    from fsdpcheck.matching import checkpoint_keys, optim_key
+
+    c = checkpoint_keys(entries)
     if not c.state:
         return
     names: dict[str, set[str]] = {}
@@ -158,7 +126,7 @@ def _audit_optimizer(md: Any, findings: list[Finding], prefix: str) -> None:
         if lacking:
             findings.append(
                 Finding(
-                    prefix + keymod.optim_key(fqn, lacking[0]),
+                    prefix + optim_key(fqn, lacking[0]),
                     "missing",
                     f"optimizer state of {fqn} lacks {lacking} that other parameters have",
                 )
@@ -234,77 +202,9 @@ def _audit_file(p: Path, findings: list[Finding]) -> int:
     from fsdpcheck.sources import open_source
 
     source = open_source(p)
-    n = 0
-    for key, e in source.entries().items():
-        if not e.is_tensor:
-            continue
-        n += 1
-        values = getattr(source, "_values", None)
-        if values is None:
-            continue  # safetensors: safe_open already validated every tensor's byte range
-        t = values[key]
-        need = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s)
-        if t.numel() and (need + 1) * t.element_size() > t.untyped_storage().nbytes():
-            findings.append(Finding(key, "error", "its data runs past the end of its storage"))
-    return n
-
-
-def tiling_problems(shape: Sequence[int], boxes: Sequence[Box]) -> list[str]:
-    """What keeps `boxes` from tiling `shape` exactly (gaps and overlaps), or [].
-
-    A sweep along dim 0: between consecutive chunk boundaries the set of chunks that cross the
-    slab must tile the remaining dims, checked the same way, and each distinct set is checked
-    once. Chunkings made by sharding (grids, uneven and strided ones included) cost
-    O(chunks log chunks).
-    """
-    problems: list[str] = []
-    if len(shape) == 0:
-        if len(boxes) != 1:
-            problems.append(f"the scalar is saved {len(boxes)} times")
-        return problems
-    _tile(tuple(shape), [(tuple(o), tuple(s)) for o, s in boxes], (), problems)
-    return problems[:_MAX_PROBLEMS]
-
-
-def _tile(
-    shape: tuple[int, ...], boxes: list[Box], where: tuple[str, ...], problems: list[str]
-) -> None:
-    if len(problems) >= _MAX_PROBLEMS:
-        return
-    d = len(where)
-    if len(shape) == 1:
-        pos = 0
-        for lo, hi in sorted((o[0], o[0] + s[0]) for o, s in boxes):
-            if lo > pos:
-                problems.append(f"gap at {_at(where, d, pos, lo)}")
-            elif lo < pos:
-                problems.append(f"overlap at {_at(where, d, lo, min(pos, hi))}")
-            pos = max(pos, hi)
-        if pos < shape[0]:
-            problems.append(f"gap at {_at(where, d, pos, shape[0])}")
-        return
-    cuts = sorted({0, shape[0]} | {o[0] for o, _ in boxes} | {o[0] + s[0] for o, s in boxes})
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
-    active: set[int] = set()
-    seen: set[frozenset[int]] = set()
-    nxt = 0
-    for lo, hi in itertools.pairwise(cuts):
-        while nxt < len(order) and boxes[order[nxt]][0][0] <= lo:
-            active.add(order[nxt])
-            nxt += 1
-        active = {i for i in active if boxes[i][0][0] + boxes[i][1][0] > lo}
-        key = frozenset(active)
-        if key in seen:
-            continue  # the same chunks cross this slab as an earlier one: already checked
-        seen.add(key)
-        sub = [(boxes[i][0][1:], boxes[i][1][1:]) for i in sorted(active)]
-        if not sub:
-            problems.append(f"gap at {_at(where, d, lo, hi)} (no chunk covers these rows)")
-            continue
-        _tile(shape[1:], sub, (*where, f"{lo}:{hi}"), problems)
-
-
-def _at(where: tuple[str, ...], d: int, lo: int, hi: int) -> str:
-    """A region in index notation, e.g. [0:4, 6:8] (d: the dim of lo:hi, after `where`)."""
-    del d
-    return "[" + ", ".join((*where, f"{lo}:{hi}")) + "]"
+    try:
+        for key, kind, message in source.problems():
+            findings.append(Finding(key, kind, message))
+        return sum(e.is_tensor for e in source.entries().values())
+    finally:
+        source.close()

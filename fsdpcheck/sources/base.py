@@ -3,12 +3,69 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+#: A storage problem found when opening a source: (key, kind, message); kind is "gap" (a region
+#: of a tensor that no saved chunk covers) or "error" (anything else that makes data unreadable
+#: or ambiguous). The key is "*" when the problem is not about one key.
+Problem = tuple[str, str, str]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is malformed, inconsistent or refused: unreadable input.
+
+    The message is one line naming the file (and the key where there is one). It is not a
+    verdict on the values.
+    """
+
+
+class CoverageError(CheckpointError):
+    """A read asked for a region of a tensor that no saved chunk covers (a gap).
+
+    There is no data to return, and an uninitialised buffer is never returned instead.
+    """
+
+
+def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
+    """`path`, after checking that it is a regular file (symlinks to regular files are fine).
+
+    Called before every open of a checkpoint file: opening a FIFO blocks forever and a device
+    (``/dev/zero``) never ends, so both are refused by their type, without opening them.
+
+    Raises:
+        FileNotFoundError: It does not exist.
+        CheckpointError: It is a directory, FIFO, socket or device.
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {p} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a directory" if stat.S_ISDIR(st.st_mode)
+            else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "a socket" if stat.S_ISSOCK(st.st_mode)
+            else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "not a regular file"
+        )  # fmt: skip
+        raise CheckpointError(f"{what} {p} is {kind}, not a regular file; refusing to read it")
+    return p
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (libraries' messages can span many)."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    return text[:300] + (" ..." if len(lines) > 1 or len(text) > 300 else "")
 
 
 @dataclass(frozen=True)
@@ -47,12 +104,25 @@ class Region:
 
 
 class Source(ABC):
-    """A reference checkpoint, read box by box."""
+    """A reference checkpoint, read box by box.
+
+    The whole protocol lives here, with defaults for sources of full tensors, so callers never
+    probe a source with ``getattr``: `entries`, `read`, `read_object(s)`, `chunks`, `problems`,
+    `is_sharded`, `requires_grad` and `close`.
+
+    Contract for broken input: `entries` lists every key the checkpoint declares (with the shape
+    and dtype it declares, where those are known); `problems` lists what was found wrong with
+    the storage when opening; a `read` that touches a region named by a problem raises
+    `CheckpointError` (`CoverageError` for a gap) and never returns uninitialised or ambiguous
+    data.
+    """
 
     #: "dcp", "torch.save", "safetensors" or "memory".
     kind: str = ""
     #: Where it came from, for messages.
     description: str = ""
+    #: Whether tensors are stored as chunks (DCP): then `chunks` lists them.
+    is_sharded: bool = False
 
     @abstractmethod
     def entries(self) -> dict[str, Entry]:
@@ -75,6 +145,34 @@ class Source(ABC):
     def read_object(self, key: str) -> Any:
         """A non-tensor entry's value."""
         raise KeyError(key)
+
+    def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(offsets, sizes) of each saved chunk of a tensor entry, as declared by the storage.
+
+        Sources of full tensors store one chunk: the whole tensor. DCP lists its saved chunks
+        (empty ones included; they may leave gaps or overlap, which `problems` reports).
+        """
+        shape = self.entries()[key].shape
+        return [((0,) * len(shape), tuple(shape))]
+
+    def problems(self) -> list[Problem]:
+        """Storage problems found when opening: ``(key, kind, message)``, kind "gap" or "error".
+
+        Gaps, overlaps and chunks outside the shape, storage entries pointing past the end of a
+        file, missing or non-regular files, index entries naming files outside the folder or
+        tensors their file lacks, duplicated tensors, unsupported dtypes. Empty when the
+        storage is whole. Reads of what a problem names raise instead of returning data.
+        """
+        return []
+
+    def requires_grad(self, key: str) -> bool | None:
+        """Whether the entry is a parameter that requires grad, or None when not recorded.
+
+        Only an in-memory nn.Module records it reliably (DCP stores a flag, but state_dict()
+        detaches tensors, so it is False whatever the model had).
+        """
+        del key
+        return None
 
     def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
         """Several non-tensor entries (sources that can batch the reads override this)."""
@@ -108,19 +206,32 @@ def slices(region: Region) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(region.offset, region.size))
 
 
-def nested_entries(obj: Any, path: tuple[str, ...], out: dict[str, tuple[tuple[str, ...], Any]]):
+def nested_entries(
+    obj: Any,
+    path: tuple[str, ...],
+    out: dict[str, tuple[tuple[str, ...], Any]],
+    collisions: set[str] | None = None,
+) -> None:
     """Flattens nested dicts/lists of a loaded state dict into ``{dotted key: (path, value)}``.
 
     Lists of non-tensors (e.g. ``params`` in param_groups) stay one value; lists holding tensors
-    are walked.
+    are walked. Two leaves whose dotted keys are the same (``{"a.b": x}`` and
+    ``{"a": {"b": y}}``) are never merged silently: the key goes into `collisions` (the first
+    leaf stays in `out`), or, without `collisions`, a ValueError names it.
     """
     if isinstance(obj, dict):
         for k, v in obj.items():
-            nested_entries(v, (*path, str(k)), out)
+            nested_entries(v, (*path, str(k)), out, collisions)
     elif isinstance(obj, (list, tuple)) and any(
         isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj
     ):
         for i, v in enumerate(obj):
-            nested_entries(v, (*path, str(i)), out)
+            nested_entries(v, (*path, str(i)), out, collisions)
     else:
-        out[".".join(path)] = (path, obj)
+        key = ".".join(path)
+        if key in out:
+            if collisions is None:
+                raise ValueError(f"two entries flatten to the same key {key!r}")
+            collisions.add(key)
+            return
+        out[key] = (path, obj)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+import itertools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     MetadataIndex,
@@ -16,43 +17,71 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from fsdpcheck.sources.base import Entry, Region, Source
+from fsdpcheck.sources.base import CheckpointError, CoverageError, Entry, Problem, Region, Source
+from fsdpcheck.sources.safe_reader import SafeFileSystemReader
+from fsdpcheck.sources.tiling import Box, box_text, intersect, uncovered
 
 
 def is_dcp_dir(path: Path) -> bool:
-    """Whether `path` is a DCP checkpoint directory."""
-    return path.is_dir() and (path / ".metadata").is_file()
+    """Whether `path` is a DCP checkpoint directory (it holds a ``.metadata`` of any type).
+
+    A ``.metadata`` that is not a regular file still marks the directory, so that opening it
+    refuses the file with a clear line instead of treating the directory as something else.
+    """
+    return path.is_dir() and os.path.lexists(path / ".metadata")
 
 
 class DCPSource(Source):
     """Reads boxes of a DCP checkpoint.
 
     Each rank builds read items for exactly the saved chunks that overlap the boxes it asks for
-    and hands them to DCP's own storage reader, which loads each of those chunks and copies the
-    overlap straight into the destination (on the model's device). No process group is needed.
+    and hands them to fsdpcheck's `SafeFileSystemReader` (DCP's filesystem reader, without code
+    execution and with storage checks), which loads each of those chunks and copies the overlap
+    straight into the destination (on the model's device). No process group is needed.
+
+    Opening reads only ``.metadata`` (restricted unpickler) and stats the data files; `problems`
+    then lists gaps, overlaps, chunks outside the shape and storage entries that cannot be read.
+    A read that touches a gap raises `CoverageError`; one that touches an overlap or an
+    unreadable entry raises `CheckpointError`; neither ever returns an uninitialised buffer.
     """
 
     kind = "dcp"
+    is_sharded = True
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.description = f"DCP checkpoint {self.path}"
-        self._reader = FileSystemReader(str(self.path))
+        self._reader = SafeFileSystemReader(self.path)
         self._md = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self._md, is_coordinator=True)
+        self._check = self._reader.storage_check
         planner_data = self._md.planner_data if isinstance(self._md.planner_data, dict) else {}
         self._entries: dict[str, Entry] = {}
-        # Per tensor key: chunk offsets -> sizes, for the common case of a region that is
-        # exactly one saved chunk (a reload with the layout it was saved with).
+        # Per tensor key: the chunks that can be read (inside the shape, with a storage entry),
+        # and offsets -> sizes for the common case of a region that is exactly one saved chunk.
+        self._readable: dict[str, list[Box]] = {}
         self._chunk_at: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         for key, meta in self._md.state_dict_metadata.items():
             raw = planner_data.get(key)
-            path_t = tuple(str(p) for p in raw) if raw else (key,)
+            path_t = (
+                tuple(str(p) for p in raw) if isinstance(raw, (list, tuple)) and raw else (key,)
+            )
             if isinstance(meta, TensorStorageMetadata):
-                self._entries[key] = Entry(
-                    key, path_t, tuple(meta.size), meta.properties.dtype, is_tensor=True
-                )
-                self._chunk_at[key] = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
+                shape = tuple(meta.size)
+                self._entries[key] = Entry(key, path_t, shape, meta.properties.dtype)
+                readable = []
+                for c in meta.chunks:
+                    off, size = tuple(c.offsets), tuple(c.sizes)
+                    if (
+                        len(off) == len(shape) == len(size)
+                        and all(
+                            o >= 0 and s >= 0 and o + s <= g for o, s, g in zip(off, size, shape)
+                        )
+                        and MetadataIndex(key, torch.Size(off)) in self._md.storage_data
+                    ):
+                        readable.append((off, size))
+                self._readable[key] = readable
+                self._chunk_at[key] = dict(readable)
             elif isinstance(meta, BytesStorageMetadata):
                 self._entries[key] = Entry(key, path_t, is_tensor=False)
 
@@ -61,10 +90,41 @@ class DCPSource(Source):
         return self._entries
 
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(offsets, sizes) of each saved chunk of a tensor entry."""
+        """(offsets, sizes) of each saved chunk of a tensor entry, as ``.metadata`` lists them."""
         meta = self._md.state_dict_metadata[key]
-        assert isinstance(meta, TensorStorageMetadata)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise KeyError(f"{key} is not a tensor in {self.description}")
         return [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+
+    def problems(self) -> list[Problem]:
+        """Gaps, overlaps, chunks outside the shape, unreadable storage entries."""
+        return list(self._check.problems)
+
+    def _coverage(self, region: Region) -> list[Box]:
+        """The readable chunks meeting `region`, after checking it is covered exactly once."""
+        key = region.key
+        box = (tuple(region.offset), tuple(region.size))
+        chunks = self._readable[key]
+        exact = self._chunk_at[key].get(box[0])
+        if exact == box[1] and key not in self._check.overlapping:
+            return [box]  # exactly one saved chunk (a reload with the layout it was saved with)
+        meeting = [c for c in chunks if intersect(box, c) is not None]
+        missing = uncovered(box, meeting, disjoint=key not in self._check.overlapping)
+        if missing:
+            raise CoverageError(
+                f"{key}: region {box_text(missing[0])} is not covered by any saved chunk in "
+                f"{self.path / '.metadata'} (a gap in the checkpoint); it has no data to read"
+            )
+        if key in self._check.overlapping:
+            for a, b in itertools.combinations(meeting, 2):
+                both = intersect(a, b)
+                if both is not None and intersect(both, box) is not None:
+                    raise CheckpointError(
+                        f"{key}: region {box_text(both)} is saved in two overlapping chunks "
+                        f"(at {a[0]} and {b[0]}) in {self.path / '.metadata'}; which copy is "
+                        "right is unknown"
+                    )
+        return meeting
 
     def read(
         self,
@@ -72,29 +132,33 @@ class DCPSource(Source):
         device: torch.device,
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Reads the regions through DCP's storage reader (only overlapping chunks)."""
+        """Reads the regions through the safe storage reader (only overlapping chunks).
+
+        Raises:
+            CoverageError: A region meets a gap (nothing is allocated or read).
+            CheckpointError: A region meets overlapping chunks or an unreadable storage entry.
+        """
+        plans: list[list[Box]] = []
+        for region in regions:
+            entry = self._entries[region.key]
+            if not entry.is_tensor:
+                raise KeyError(f"{region.key} is not a tensor in {self.description}")
+            plans.append(self._coverage(region) if region.numel else [])
         dests = []
         items: list[ReadItem] = []
-        for i, region in enumerate(regions):
-            entry = self._entries[region.key]
+        for i, (region, chunks) in enumerate(zip(regions, plans)):
             if out is not None:
                 dests.append(out[i])
             else:
-                dests.append(torch.empty(region.size, dtype=entry.dtype, device=device))
-            if region.numel == 0:
-                continue
-            if self._chunk_at[region.key].get(region.offset) == region.size:
-                chunks = [(region.offset, region.size)]  # exactly one saved chunk
-            else:
-                chunks = self.chunks(region.key)
+                dests.append(
+                    torch.empty(region.size, dtype=self._entries[region.key].dtype, device=device)
+                )
+            box = (tuple(region.offset), tuple(region.size))
             for c_off, c_size in chunks:
-                lo = [max(a, b) for a, b in zip(region.offset, c_off)]
-                hi = [
-                    min(a + s, b + t)
-                    for a, s, b, t in zip(region.offset, region.size, c_off, c_size)
-                ]
-                if any(h <= low for low, h in zip(lo, hi)):
+                part = intersect(box, (c_off, c_size))
+                if part is None:
                     continue  # no overlap (empty chunks included)
+                lo, n = part
                 items.append(
                     ReadItem(
                         type=LoadItemType.TENSOR,
@@ -102,7 +166,7 @@ class DCPSource(Source):
                         dest_offsets=torch.Size(a - b for a, b in zip(lo, region.offset)),
                         storage_index=MetadataIndex(region.key, torch.Size(c_off)),
                         storage_offsets=torch.Size(a - b for a, b in zip(lo, c_off)),
-                        lengths=torch.Size(h - low for low, h in zip(lo, hi)),
+                        lengths=torch.Size(n),
                     )
                 )
         if items:
@@ -114,7 +178,7 @@ class DCPSource(Source):
         return self.read_objects([key])[key]
 
     def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
-        """Several non-tensor entries, in one pass over the storage."""
+        """Several non-tensor entries, in one pass over the storage (loaded weights_only)."""
         for key in keys:
             if key not in self._entries or self._entries[key].is_tensor:
                 raise KeyError(key)

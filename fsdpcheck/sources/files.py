@@ -3,44 +3,114 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import Entry, Region, Source, nested_entries, read_each, slices
+from fsdpcheck.sources.base import (
+    CheckpointError,
+    Entry,
+    Problem,
+    Region,
+    Source,
+    check_regular,
+    nested_entries,
+    one_line,
+    read_each,
+    slices,
+)
+from fsdpcheck.sources.safe_reader import file_problem
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
+# An index.json larger than this is not an index (real ones are a few MB for huge models).
+_MAX_INDEX_BYTES = 256 << 20
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _load_error(exc: BaseException) -> str:
+    """torch.load's failure in one line: the weights-only unpickler's reason when it gave one."""
+    text = _ANSI.sub("", str(exc))
+    for line in text.splitlines():
+        if line.strip().startswith("WeightsUnpickler error:"):
+            return line.strip() + " (not loaded: fsdpcheck loads weights only)"
+    return one_line(Exception(text))
+
+
+def overlap_in_memory(t: torch.Tensor) -> bool:
+    """Whether some elements of `t` share memory (an expanded / stride-0 or overlapping view).
+
+    The usual sufficient test for a non-overlapping layout: with dims of size > 1 sorted by
+    stride, each stride is at least the extent of the dims before it.
+    """
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride < expected:
+            return True
+        expected = stride * size
+    return False
+
 
 class TorchSaveSource(Source):
-    """A torch.save file: loaded with mmap=True, so only the boxes that are read leave the disk.
+    """A torch.save file, loaded with mmap=True and ``weights_only``.
 
+    Only the boxes that are read leave the disk, and no code from the file runs.
     Nested layouts are accepted (``{"model": ..., "optimizer": ...}``, ``{"state_dict": ...}``);
-    the nesting becomes the entries' paths.
+    the nesting becomes the entries' paths. Tensors whose elements overlap in memory (an
+    expanded / stride-0 view, e.g. ``torch.zeros(1).expand(2**36)`` stored in 4 bytes) are
+    refused: they are listed by `problems` and reading them raises `CheckpointError`, so a tiny
+    file can never make a read allocate or hash terabytes. A state dict never holds such views
+    (``torch.save`` of a parameter stores its dense data).
     """
 
     kind = "torch.save"
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = check_regular(path, "torch.save file")
         self.description = f"torch.save file {self.path}"
         try:
-            obj = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            # Files written with _use_new_zipfile_serialization=False cannot be mapped.
-            obj = torch.load(self.path, map_location="cpu", weights_only=True)
+            try:
+                obj = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                # Files written with _use_new_zipfile_serialization=False cannot be mapped.
+                obj = torch.load(self.path, map_location="cpu", weights_only=True)
+        except (FileNotFoundError, MemoryError):
+            raise
+        except Exception as exc:
+            msg = f"{self.description} cannot be loaded: {_load_error(exc)}"
+            raise CheckpointError(msg) from None
         flat: dict[str, tuple[tuple[str, ...], Any]] = {}
-        nested_entries(obj, (), flat)
+        collisions: set[str] = set()
+        nested_entries(obj, (), flat, collisions)
         self._values: dict[str, Any] = {}
         self._entries: dict[str, Entry] = {}
+        self._refused: dict[str, str] = {}
+        for key in sorted(collisions):
+            self._refused[key] = (
+                f"{self.description}: two entries flatten to the key {key!r} (e.g. 'a.b' and "
+                "{'a': {'b': ...}}); which one is meant is unknown"
+            )
         for key, (path_t, value) in flat.items():
             self._values[key] = value
             if isinstance(value, torch.Tensor):
                 self._entries[key] = Entry(key, path_t, tuple(value.shape), value.dtype)
+                if value.layout != torch.strided:
+                    self._refused[key] = (
+                        f"{self.description}: {key} is a {value.layout} tensor; only dense "
+                        "tensors can be checked"
+                    )
+                elif overlap_in_memory(value):
+                    stored = value.untyped_storage().nbytes()
+                    self._refused[key] = (
+                        f"{self.description}: {key} is an expanded view (strides "
+                        f"{tuple(value.stride())}) whose {value.numel()} elements share "
+                        f"{stored} stored bytes; refusing to read it (save a dense copy)"
+                    )
             else:
                 self._entries[key] = Entry(key, path_t, is_tensor=False)
 
@@ -48,13 +118,24 @@ class TorchSaveSource(Source):
         """Every leaf of the saved object."""
         return self._entries
 
+    def problems(self) -> list[Problem]:
+        """Expanded / overlapping views, sparse tensors and flattened-key collisions."""
+        return [(k, "error", msg) for k, msg in sorted(self._refused.items())]
+
     def read(
         self,
         regions: Sequence[Region],
         device: torch.device,
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Slices of the mapped tensors, copied to `device` (only their pages are read)."""
+        """Slices of the mapped tensors, copied to `device` (only their pages are read).
+
+        Raises:
+            CheckpointError: A region of a tensor that `problems` names.
+        """
+        for r in regions:
+            if r.key in self._refused:
+                raise CheckpointError(self._refused[r.key])
 
         def fetch(r: Region) -> torch.Tensor:
             return self._values[r.key][slices(r)] if r.size else self._values[r.key]
@@ -63,6 +144,8 @@ class TorchSaveSource(Source):
 
     def read_object(self, key: str) -> Any:
         """A non-tensor leaf."""
+        if key in self._refused:
+            raise CheckpointError(self._refused[key])
         return self._values[key]
 
 
@@ -82,46 +165,160 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def read_index(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``*.safetensors.index.json`` (tensor name -> shard file name).
+
+    Raises:
+        FileNotFoundError: It does not exist.
+        CheckpointError: Not a regular file, too large, not JSON, or no weight_map of strings.
+    """
+    check_regular(path, "safetensors index")
+    if path.stat().st_size > _MAX_INDEX_BYTES:
+        raise CheckpointError(f"safetensors index {path} is larger than {_MAX_INDEX_BYTES} bytes")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"safetensors index {path} is not JSON: {one_line(exc)}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"safetensors index {path} has no 'weight_map' object")
+    for k, v in weight_map.items():
+        if not isinstance(v, str):
+            raise CheckpointError(
+                f"safetensors index {path}: weight_map[{k!r:.80}] is {v!r:.80}, not a file name"
+            )
+    return weight_map
+
+
 class SafetensorsSource(Source):
     """One or more .safetensors files (a file, a HF ``*.safetensors.index.json``, or a folder).
 
-    Boxes are read with ``get_slice``, which reads just those bytes.
+    With an index, the index is the authority: every entry must name a regular file inside the
+    index's folder that holds the named tensor, and reads go to that file only. Entries that
+    fail are left out of `entries` and listed by `problems`, as are stray copies of a tensor in
+    another shard and tensors a shard holds that the index does not list. Without an index, a
+    tensor in two files is a problem and reading it raises (there is no authority to choose).
+    Dtypes fsdpcheck cannot compare (U16/U32/U64, complex, F8_E8M0, ...) are refused when
+    opening, naming the file, the tensor and the dtype. Boxes are read with ``get_slice``,
+    which reads just those bytes.
     """
 
     kind = "safetensors"
 
-    def __init__(self, files: Sequence[Path], description: str) -> None:
+    def __init__(
+        self,
+        files: Sequence[Path],
+        description: str,
+        weight_map: dict[str, str] | None = None,
+        root: Path | None = None,
+    ) -> None:
         from safetensors import safe_open
 
         self.description = description
-        self._handles = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
+        self._problems: list[Problem] = []
+        self._refused: dict[str, str] = {}
+        opened: list[Path] = []
+        if weight_map is not None:
+            assert root is not None
+            bad_files: dict[str, str] = {}
+            for name in sorted(set(weight_map.values())):
+                why = file_problem(root, name, 0, f"index entry {name!r}")
+                if why is not None:
+                    bad_files[name] = why
+                else:
+                    opened.append(root / name)
+            for key, name in weight_map.items():
+                if name in bad_files:
+                    self._problems.append((key, "error", f"{description}: {bad_files[name]}"))
+        else:
+            opened = list(files)
+        self._handles: dict[Path, Any] = {}
+        for f in opened:
+            check_regular(f, "safetensors file")
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as exc:
+                msg = f"safetensors file {f} is unreadable: {one_line(exc)}"
+                raise CheckpointError(msg) from None
         self._file_of: dict[str, Path] = {}
         self._entries: dict[str, Entry] = {}
+        held: dict[str, list[Path]] = {}
         for f, h in self._handles.items():
             for key in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                sl = h.get_slice(key)
-                dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-                self._file_of[key] = f
-                self._entries[key] = Entry(key, tuple(key.split(".")), tuple(sl.get_shape()), dtype)
+                held.setdefault(key, []).append(f)
+        if weight_map is not None:
+            assert root is not None
+            for key, name in weight_map.items():
+                f = root / name
+                if f not in self._handles:
+                    continue  # already a problem
+                if f not in held.get(key, []):
+                    msg = f"{description} names {name} for {key}, but {name} has no such tensor"
+                    self._problems.append((key, "error", msg))
+                    continue
+                self._add(key, f)
+            for key, where in held.items():
+                named = weight_map.get(key)
+                for f in where:
+                    if named is None:
+                        msg = f"{f.name} holds {key}, which {description} does not list (not read)"
+                        self._problems.append((key, "error", msg))
+                    elif f != root / named:
+                        msg = (
+                            f"a stray copy of {key} is in {f.name}; {description} names "
+                            f"{named}, which is what is read"
+                        )
+                        self._problems.append((key, "error", msg))
+        else:
+            for key, where in held.items():
+                self._add(key, where[0])
+                if len(where) > 1:
+                    self._refused[key] = (
+                        f"{key} is in both {where[0]} and {where[1]} and no index says which "
+                        "is meant; refusing to read either"
+                    )
+                    self._problems.append((key, "error", self._refused[key]))
+
+    def _add(self, key: str, f: Path) -> None:
+        sl = self._handles[f].get_slice(key)
+        name = sl.get_dtype()
+        dtype = _SAFETENSORS_DTYPES.get(name)
+        if dtype is None:
+            raise CheckpointError(
+                f"safetensors file {f}: tensor {key} has dtype {name}, which fsdpcheck cannot "
+                f"compare (supported: {', '.join(_SAFETENSORS_DTYPES)})"
+            )
+        self._file_of[key] = f
+        self._entries[key] = Entry(key, tuple(key.split(".")), tuple(sl.get_shape()), dtype)
 
     @classmethod
     def from_path(cls, path: Path) -> SafetensorsSource:
-        """A .safetensors file, an index .json, or a folder of .safetensors files."""
+        """A .safetensors file, an index .json, or a folder of .safetensors files.
+
+        Raises:
+            FileNotFoundError: The path does not exist, or a folder holds no safetensors.
+            CheckpointError: A file is unreadable or refused (see the class docstring).
+        """
         if path.is_dir():
             index = sorted(path.glob("*.safetensors.index.json"))
             if index:
                 return cls.from_path(index[0])
             files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path} holds no .safetensors files")
             return cls(files, f"safetensors files in {path}")
         if path.suffix == ".json":
-            weight_map = json.loads(path.read_text())["weight_map"]
-            files = sorted({path.parent / f for f in weight_map.values()})
-            return cls(files, f"safetensors index {path}")
+            weight_map = read_index(path)
+            return cls([], f"safetensors index {path}", weight_map, path.parent)
         return cls([path], f"safetensors file {path}")
 
     def entries(self) -> dict[str, Entry]:
-        """Every tensor of every file."""
+        """Every tensor the index lists and its shard holds (every tensor, without an index)."""
         return self._entries
+
+    def problems(self) -> list[Problem]:
+        """Index entries that fail, stray or unlisted copies, ambiguous duplicates."""
+        return list(self._problems)
 
     def read(
         self,
@@ -129,7 +326,14 @@ class SafetensorsSource(Source):
         device: torch.device,
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Each region read with get_slice (only its bytes), then moved to `device`."""
+        """Each region read with get_slice (only its bytes), then moved to `device`.
+
+        Raises:
+            CheckpointError: A tensor held by two files with no index to choose.
+        """
+        for r in regions:
+            if r.key in self._refused:
+                raise CheckpointError(self._refused[r.key])
 
         def fetch(r: Region) -> torch.Tensor:
             h = self._handles[self._file_of[r.key]]

@@ -16,10 +16,10 @@ class MemorySource(Source):
     kind = "memory"
 
     def __init__(self, obj: Mapping[str, Any] | torch.nn.Module) -> None:
-        self.requires_grad: dict[str, bool] = {}
+        self._requires_grad: dict[str, bool] = {}
         if isinstance(obj, torch.nn.Module):
             self.description = f"in-memory {type(obj).__name__}"
-            self.requires_grad = {n: p.requires_grad for n, p in obj.named_parameters()}
+            self._requires_grad = {n: p.requires_grad for n, p in obj.named_parameters()}
             obj = obj.state_dict(keep_vars=True)
         else:
             self.description = "in-memory state dict"
@@ -60,3 +60,7 @@ class MemorySource(Source):
     def read_object(self, key: str) -> Any:
         """A non-tensor leaf."""
         return self._values[key]
+
+    def requires_grad(self, key: str) -> bool | None:
+        """requires_grad of a parameter of the nn.Module this was built from (else None)."""
+        return self._requires_grad.get(key)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import Entry, Region, Source
+from fsdpcheck.sources.base import Entry, Problem, Region, Source
 
 
 class MergedSource(Source):
@@ -17,6 +17,7 @@ class MergedSource(Source):
         self.sources = list(sources)
         self.kind = "+".join(s.kind for s in self.sources)
         self.description = description or " + ".join(s.description for s in self.sources)
+        self.is_sharded = any(s.is_sharded for s in self.sources)
         self._owner: dict[str, Source] = {}
         self._entries: dict[str, Entry] = {}
         for s in self.sources:
@@ -63,10 +64,19 @@ class MergedSource(Source):
         return self._owner[key].read_object(key)
 
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Saved chunks of a key (DCP sources), else the whole tensor."""
-        owner = self._owner[key]
-        chunks = getattr(owner, "chunks", None)
-        if chunks is not None:
-            return chunks(key)
-        shape = self._entries[key].shape
-        return [((0,) * len(shape), shape)]
+        """Saved chunks of a key, from the source that holds it."""
+        return self._owner[key].chunks(key)
+
+    def problems(self) -> list[Problem]:
+        """Every source's problems."""
+        return [p for s in self.sources for p in s.problems()]
+
+    def requires_grad(self, key: str) -> bool | None:
+        """From the source that holds the key."""
+        owner = self._owner.get(key)
+        return owner.requires_grad(key) if owner is not None else None
+
+    def close(self) -> None:
+        """Closes every source."""
+        for s in self.sources:
+            s.close()
