@@ -143,7 +143,12 @@ class DCPSource(Source):
             entry = self._entries[region.key]
             if not entry.is_tensor:
                 raise KeyError(f"{region.key} is not a tensor in {self.description}")
-            plans.append(self._coverage(region) if region.numel else [])
+            chunks = self._coverage(region) if region.numel else []
+            for c_off, _ in chunks:  # refused before anything is allocated or opened
+                why = self._check.bad_entries.get(MetadataIndex(region.key, torch.Size(c_off)))
+                if why is not None:
+                    raise CheckpointError(f"{self.description}: {region.key}: {why}")
+            plans.append(chunks)
         dests = []
         items: list[ReadItem] = []
         for i, (region, chunks) in enumerate(zip(regions, plans)):
