@@ -1,18 +1,122 @@
-"""Runs a scenario function on N gloo ranks (CPU) in fresh processes; collects JSON results."""
+"""Multi-rank scenarios on gloo CPU ranks: a registry, one spawn per world size, JSON results.
+
+A scenario is a module-level function registered with ``@registry.scenario(world, ...)``. It
+takes a ``World`` and returns something JSON-able. Scenarios do not depend on each other: each
+gets its own empty directory (``world.workdir``), reads the checkpoints the world's setup saved
+only through ``world.ckpts`` (read-only; ``world.copy`` gives a private copy to damage), and may
+use the setup's live models (``world.base``) only under faults that restore on exit: after every
+scenario the runner checks that the base models' state is bit-identical to what it was before, and
+fails the scenario that changed it.
+
+Spawning ranks costs 5-10 s on two cores, so one spawn runs every scenario of one world size, in
+registry order; the results come back keyed by function name.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import shutil
+import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdpcheck._spawn import spawn
 
 
-def _worker(rank: int, world: int, port: int, target: str, workdir: str) -> None:
+@dataclass(frozen=True)
+class World:
+    """What a scenario gets: its rank, the world size, its own directory, the shared state."""
+
+    rank: int
+    size: int
+    workdir: Path  # this scenario's own directory (the same path on every rank)
+    ckpts: dict[str, Path]  # checkpoints the setup saved: read them, never write them
+    base: Any  # the setup's live models: change them only under a fault that restores on exit
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def copy(self, name: str) -> Path:
+        """A private copy of the shared checkpoint `name` in this scenario's directory."""
+        dst = self.workdir / name
+        if self.rank == 0:
+            shutil.copytree(self.ckpts[name], dst)
+        self.barrier()
+        return dst
+
+
+@dataclass(frozen=True)
+class Scenario:
+    fn: Callable[[World], Any]
+    worlds: tuple[int, ...]
+
+
+@dataclass
+class Registry:
+    """Scenarios by function name, a setup per world size and the state it shares."""
+
+    scenarios: dict[str, Scenario] = field(default_factory=dict)
+    setup: Callable[..., tuple[dict[str, Path], Any]] | None = None
+    base_state: Callable[[Any], tuple[Any, ...]] = lambda base: ()
+
+    def scenario(self, *worlds: int) -> Callable[[Callable[[World], Any]], Callable[[World], Any]]:
+        def register(fn: Callable[[World], Any]) -> Callable[[World], Any]:
+            if fn.__name__ in self.scenarios:
+                raise ValueError(f"two scenarios named {fn.__name__}")
+            self.scenarios[fn.__name__] = Scenario(fn, worlds)
+            return fn
+
+        return register
+
+    def cases(self) -> list[tuple[int, str]]:
+        """(world size, scenario name) of every registered run."""
+        return [(w, name) for name, s in self.scenarios.items() for w in s.worlds]
+
+    def run(
+        self, rank: int, world: int, workdir: Path, shared: str | None = None, only=None
+    ) -> dict[str, Any]:
+        """Inside a rank: the setup, then every scenario of this world size (or those in `only`).
+
+        Returns: name -> {"result", "error" (a traceback or None), "seconds"}.
+        """
+        import torch.distributed as dist
+
+        from fsdpcheck.testing import changes, snapshot
+
+        assert self.setup is not None
+        ckpts, base = self.setup(rank, world, workdir / "shared", shared)
+        out: dict[str, Any] = {"__ckpts__": {k: str(v) for k, v in ckpts.items()}}
+        for name, sc in self.scenarios.items():
+            if world not in sc.worlds or (only is not None and name not in only):
+                continue
+            wd = workdir / name
+            if rank == 0:
+                wd.mkdir(parents=True)
+            dist.barrier()
+            before = snapshot(*self.base_state(base))
+            t0 = time.perf_counter()
+            error = None
+            try:
+                result = sc.fn(World(rank, world, wd, ckpts, base))
+            except Exception:
+                result, error = None, traceback.format_exc()
+            seconds = time.perf_counter() - t0
+            left = changes(before, snapshot(*self.base_state(base)))
+            if left and error is None:
+                error = f"the scenario left the shared models changed on rank {rank}: {left[:8]}"
+            out[name] = {"result": result, "error": error, "seconds": round(seconds, 3)}
+            dist.barrier()
+        return out
+
+
+def _worker(rank: int, world: int, port: int, target: str, workdir: str, kwargs: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -22,7 +126,8 @@ def _worker(rank: int, world: int, port: int, target: str, workdir: str) -> None
     result: dict[str, Any]
     try:
         module, fn = target.rsplit(":", 1)
-        result = getattr(importlib.import_module(module), fn)(rank, world, Path(workdir))
+        call = getattr(importlib.import_module(module), fn)
+        result = call(rank, world, Path(workdir), **json.loads(kwargs))
     except Exception:
         result = {"__crash__": traceback.format_exc()}
     Path(workdir, f"result_{rank}.json").write_text(json.dumps(result, default=str))
@@ -33,10 +138,15 @@ def _worker(rank: int, world: int, port: int, target: str, workdir: str) -> None
         pass
 
 
-def run_ranks(world: int, target: str, workdir: Path, timeout: float = 600) -> list[dict]:
-    """Runs `module:function(rank, world, workdir) -> dict` on `world` ranks; their results."""
+def run_ranks(
+    world: int, target: str, workdir: Path, timeout: float = 600, **kwargs: Any
+) -> list[dict]:
+    """Runs `module:function(rank, world, workdir, **kwargs) -> dict` on `world` ranks.
+
+    Returns: each rank's result. Raises when a rank wrote none or crashed outside its scenarios.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
-    codes = spawn(_worker, world, (target, str(workdir)), timeout)
+    codes = spawn(_worker, world, (target, str(workdir), json.dumps(kwargs)), timeout)
     results = []
     for r in range(world):
         f = workdir / f"result_{r}.json"
@@ -47,3 +157,26 @@ def run_ranks(world: int, target: str, workdir: Path, timeout: float = 600) -> l
         if "__crash__" in res:
             raise RuntimeError(f"rank {r} crashed:\n{res['__crash__']}")
     return results
+
+
+def strip_rank_local(x: Any) -> Any:
+    """A result without its "rank_local" entries (what may differ between ranks)."""
+    if isinstance(x, dict):
+        return {k: strip_rank_local(v) for k, v in x.items() if k != "rank_local"}
+    if isinstance(x, list):
+        return [strip_rank_local(v) for v in x]
+    return x
+
+
+def scenario_result(per_rank: list[dict], name: str) -> Any:
+    """Rank 0's result of scenario `name`, after checking it ran cleanly and every rank agrees."""
+    if name not in per_rank[0]:
+        raise AssertionError(f"scenario {name} did not run")
+    for rank, res in enumerate(per_rank):
+        if res[name]["error"]:
+            raise AssertionError(f"scenario {name} failed on rank {rank}:\n{res[name]['error']}")
+    first = strip_rank_local(per_rank[0][name]["result"])
+    for rank, res in enumerate(per_rank[1:], start=1):
+        if strip_rank_local(res[name]["result"]) != first:
+            raise AssertionError(f"scenario {name}: rank {rank} disagrees with rank 0")
+    return per_rank[0][name]["result"]

@@ -1,14 +1,15 @@
-"""Scenarios run inside gloo ranks (see dist_harness); each returns what the tests assert on.
+"""fsdpcheck.verify / fingerprint / save / load scenarios, run inside gloo ranks (dist_harness).
 
-Every scenario's reports come back from every rank, so the tests can check both the verdict and
-that every rank got the same one.
+Each scenario is a registered function of a ``World`` returning what the tests assert on. Every
+call of verify, fingerprint and check_replicas runs under ``unchanged``: the model, optimizer and
+reference it is given must be bit-identical afterwards (a checker never changes what it checks).
 """
 
 from __future__ import annotations
 
 import functools
-import traceback
-from collections.abc import Callable
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +21,38 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdpcheck
-from fsdpcheck import demo
-from fsdpcheck.demo import TinyTransformer, train
+from fsdpcheck import testing as T
+from fsdpcheck.testing import (
+    drop_step,
+    find_bytes,
+    flip_bit,
+    flip_byte,
+    local_of,
+    plant,
+    shift_shard,
+    snapshot,
+    swap_shards,
+    train,
+    truncate,
+    unchanged,
+    zero_moment,
+)
+from tests.dist_harness import Registry, World
 
 # The test model: 7 rows (2,2,2,1 on 4 ranks), 10 rows (3,3,3,1), 3 rows (1,1,1,0).
-Net = functools.partial(TinyTransformer, vocab=7, dim=6, hidden=10, out=3)
+Net = functools.partial(T.TinyTransformer, vocab=7, dim=6, hidden=10, out=3)
+
+REGISTRY = Registry()
+scenario = REGISTRY.scenario
 
 
 def build(layout: str, world: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The test model in a layout: fsdp, hsdp (2 x world/2), 2d (FSDP x TP), ddp, plain."""
-    return demo.build(layout, world, seed, model_cls=Net)
+    return T.build(layout, world, seed, model_cls=Net)
 
 
 def save(model: nn.Module, opt: torch.optim.Optimizer, path: Path, edit=None) -> None:
+    """A DCP save of model + optimizer (``edit`` rewrites the state dict first)."""
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
     if edit is not None:
@@ -42,23 +62,11 @@ def save(model: nn.Module, opt: torch.optim.Optimizer, path: Path, edit=None) ->
 
 
 def load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    """A plain DCP load (torch's, not fsdpcheck's)."""
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-
-def local_of(model: nn.Module, fqn: str) -> torch.Tensor:
-    p = dict(model.named_parameters())[fqn]
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
-def full_reference(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full model state on every rank (test scaffolding: small model)."""
-    out = {}
-    for k, v in model.state_dict().items():
-        out[k.removeprefix("module.")] = v.full_tensor() if hasattr(v, "full_tensor") else v
-    return {k: v.detach().clone() for k, v in out.items()}
 
 
 def report(r: fsdpcheck.Report) -> dict[str, Any]:
@@ -68,468 +76,453 @@ def report(r: fsdpcheck.Report) -> dict[str, Any]:
     return d
 
 
-def run_all(scenarios: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+def _watched(*objs: Any) -> list[Any]:
+    """The arguments whose state a read-only call must leave alone (modules, optimizers, dicts)."""
+    return [o for o in objs if isinstance(o, (nn.Module, torch.optim.Optimizer, dict))]
+
+
+def verify(model: Any, ref: Any, **kw: Any) -> dict[str, Any]:
+    """fsdpcheck.verify, checked read-only, as a JSON-able report."""
+    with unchanged(*_watched(model, ref, kw.get("optimizer"))):
+        return report(fsdpcheck.verify(model, ref, **kw))
+
+
+def fingerprint(model: Any, optimizer: Any = None) -> dict[str, int]:
+    """fsdpcheck.fingerprint, checked read-only."""
+    with unchanged(*_watched(model, optimizer)):
+        return fsdpcheck.fingerprint(model, optimizer=optimizer)
+
+
+def hexes(fps: dict[str, int]) -> dict[str, str]:
+    return {k: f"{v:#018x}" for k, v in fps.items()}
+
+
+# --- the shared state of one world size ----------------------------------------------------------
+@dataclass
+class Base:
+    """Models the setup built (read-only for scenarios; faults restore on exit)."""
+
+    model: nn.Module | None  # trained with FSDP2 at world 4 and saved as "fsdp4"
+    opt: torch.optim.Optimizer | None
+    full: dict[str, torch.Tensor] | None  # the whole state of `model`, on every rank
+    fresh: nn.Module  # another model, loaded from "fsdp4" at this world size
+    fopt: torch.optim.Optimizer
+
+
+def setup(rank: int, world: int, shared: Path, saved_by: str | None) -> tuple[dict, Base]:
+    """World 4 trains, saves "fsdp4" and loads it into a fresh model; other worlds load it."""
+    if saved_by is None:
+        ck = shared / "fsdp4"
+        model, opt = build("fsdp", world)
+        train(model, opt)
+        save(model, opt, ck)
+        full = T.full_state(model)
+        fresh, fopt = build("fsdp", world, seed=1)
+        train(fresh, fopt, steps=1)  # optimizer state exists, values differ until the load
+        load(fresh, fopt, ck)
+        return {"fsdp4": ck}, Base(model, opt, full, fresh, fopt)
+    ck = Path(saved_by) / "fsdp4"
+    fresh, fopt = build("fsdp", world, seed=7)
+    train(fresh, fopt, steps=1)
+    load(fresh, fopt, ck)
+    return {"fsdp4": ck}, Base(None, None, None, fresh, fopt)
+
+
+REGISTRY.setup = setup
+REGISTRY.base_state = lambda b: (b.model, b.opt, b.full, b.fresh, b.fopt)
+
+
+def run_world(rank: int, world: int, workdir: Path, shared: str | None = None, only=None) -> dict:
+    """Entry point for dist_harness.run_ranks: every scenario of this world size."""
+    return REGISTRY.run(rank, world, workdir, shared, only)
+
+
+# --- verify at world 4 --------------------------------------------------------------------------
+@scenario(4)
+def clean(w: World) -> Any:
+    b = w.base
+    return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+@scenario(4)
+def one_element(w: World) -> Any:
+    b = w.base
+    # Rank 2 holds rows 6..8 of 10: local (1, 4) is global (7, 4).
+    with plant(b.fresh.get_parameter("blocks.1.w1.weight"), (1, 4), delta=0.5, on_rank=2):
+        return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+@scenario(4)
+def swapped(w: World) -> Any:
+    b = w.base
+    with swap_shards(b.fresh.get_parameter("emb.weight")):  # rows 0-1 (rank 0), 2-3 (rank 1)
+        return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+@scenario(4)
+def shifted(w: World) -> Any:
+    b = w.base
+    # Rank 1 holds rows 3..5; rolled by one row they hold 5, 3, 4.
+    with shift_shard(b.fresh.get_parameter("blocks.0.w1.weight"), 1, on_rank=1):
+        return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+@scenario(4)
+def zeroed_moment(w: World) -> Any:
+    b = w.base
+    p = b.fresh.get_parameter("blocks.0.w2.weight")  # 6 rows over 4 ranks: 2, 2, 2, 0
+    with zero_moment(b.fopt, p, "exp_avg_sq", on_rank=1):
+        return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+@scenario(4)
+def step_differs(w: World) -> Any:
+    b = w.base
+    step = b.fopt.state[b.fresh.get_parameter("head.bias")]["step"]
+    with plant(step, (), delta=1, on_rank=1):
+        return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+def _edited_checkpoint(w: World, edit) -> Any:
+    """The trained model saved with `edit` applied to its state dict, verified."""
+    b = w.base
+    path = w.workdir / "ckpt"
+    save(b.model, b.opt, path, edit)
+    return verify(b.fresh, path, optimizer=b.fopt)
+
+
+@scenario(4)
+def no_step(w: World) -> Any:
+    b = w.base
+    path = w.workdir / "ckpt"
+    with drop_step(b.opt, b.model.get_parameter("emb.weight")):  # saved without that step
+        save(b.model, b.opt, path)
+    return verify(b.fresh, path, optimizer=b.fopt)
+
+
+@scenario(4)
+def dtype_change(w: World) -> Any:
+    def edit(sd: dict) -> None:
+        sd["model"] = {**sd["model"], "head.weight": sd["model"]["head.weight"].bfloat16()}
+
+    return _edited_checkpoint(w, edit)
+
+
+@scenario(4)
+def shape_change(w: World) -> Any:
+    from torch.distributed.tensor import distribute_tensor
+
+    def edit(sd: dict) -> None:
+        t = sd["model"]["blocks.0.w2.weight"]
+        bigger = distribute_tensor(torch.zeros(6, 11), t.device_mesh, t.placements)
+        sd["model"] = {**sd["model"], "blocks.0.w2.weight": bigger}
+
+    return _edited_checkpoint(w, edit)
+
+
+@scenario(4)
+def key_missing(w: World) -> Any:
+    def edit(sd: dict) -> None:
+        sd["model"] = {k: v for k, v in sd["model"].items() if k != "blocks.1.norm.bias"}
+
+    return _edited_checkpoint(w, edit)
+
+
+@scenario(4)
+def references(w: World) -> Any:
+    """The same content in every reference kind, all clean."""
+    b = w.base
+    full = b.full
+    if w.rank == 0:
+        torch.save({"model": full}, w.workdir / "full.pt")
+        from safetensors.torch import save_file
+
+        save_file(full, str(w.workdir / "model.safetensors"))
+        hf = w.workdir / "hf"
+        hf.mkdir()
+        names = sorted(full)
+        half = len(names) // 2
+        shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+        for fname, keys in shards.items():
+            save_file({k: full[k] for k in keys}, str(hf / fname))
+        weight_map = {k: f for f, ks in shards.items() for k in ks}
+        (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    w.barrier()
+    plain = Net()
+    plain.load_state_dict(full)
+    refs = {
+        "dcp": w.ckpts["fsdp4"],
+        "torch.save": w.workdir / "full.pt",
+        "safetensors": w.workdir / "model.safetensors",
+        "hf-index": w.workdir / "hf" / "model.safetensors.index.json",
+        "hf-dir": w.workdir / "hf",
+        "mapping": full,
+        "module": plain,
+    }
+    return {name: verify(b.fresh, ref) for name, ref in refs.items()}
+
+
+@scenario(4)
+def small_budget(w: World) -> Any:
+    # 64 bytes per batch: every tensor is read in pieces of a few rows.
+    b = w.base
+    return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt, memory_budget=64)
+
+
+@scenario(4)
+def unreadable(w: World) -> Any:
+    b = w.base
+    ck = w.copy("fsdp4")
+    with truncate(ck / "__0_0.distcp", 100, on_rank=0):  # every rank reading it fails
+        return verify(b.fresh, ck, optimizer=b.fopt)
+
+
+@scenario(4)
+def not_a_checkpoint(w: World) -> Any:
+    return verify(w.base.fresh, w.workdir / "does-not-exist")
+
+
+@scenario(4)
+def hsdp(w: World) -> Any:
+    m, o = build("hsdp", w.size)
+    train(m, o)
+    path = w.workdir / "hsdp"
+    save(m, o, path)
+    clean_r = verify(m, path, optimizer=o)
+    # Rank 3 is replica 1, shard 1 (rows 5..9): local (0, 0) is global (5, 0).
+    with plant(m.get_parameter("blocks.0.w1.weight"), (0, 0), on_rank=3):
+        bad = verify(m, path, optimizer=o)
+    placements = str(m.get_parameter("blocks.0.w1.weight").placements)
+    return {"clean": clean_r, "bad": bad, "placements": placements}
+
+
+@scenario(4)
+def two_d(w: World) -> Any:
+    m, o = build("2d", w.size)
+    train(m, o)
+    path = w.workdir / "2d"
+    save(m, o, path)
+    full2 = T.full_state(m)
+    clean_r = verify(m, path, optimizer=o)
+    vs_full = verify(m, full2)
+    w1 = m.get_parameter("blocks.1.w1.weight")
+    offset = fsdpcheck.layout.local_layout(w1).pieces[0].box.offset
+    planted = w.rank == 2 and local_of(w1).numel() > 0
+    with plant(w1, (0, 1), on_rank=2 if planted else -1):
+        bad = verify(m, path, optimizer=o)
+    placements = {k: str(v.placements) for k, v in m.named_parameters() if "blocks.0" in k}
+    # 1D -> 2D: the FSDP2 world-4 checkpoint loaded into the 2D layout.
+    m2, o2 = build("2d", w.size, seed=5)
+    train(m2, o2, steps=1)
+    load(m2, o2, w.ckpts["fsdp4"])
+    resharded = verify(m2, w.ckpts["fsdp4"], optimizer=o2)
+    return {
+        "clean": clean_r,
+        "vs_full": vs_full,
+        "bad": bad,
+        "placements": placements,
+        "resharded": resharded,
+        "rank_local": {"planted_offset": list(offset)},
+    }
+
+
+@scenario(4)
+def ddp(w: World) -> Any:
+    m, o = build("ddp", w.size)
+    train(m, o)
+    ref = {k.removeprefix("module."): v.detach().clone() for k, v in m.state_dict().items()}
+    clean_r = verify(m, ref)
+    with plant(m.module.get_parameter("head.bias"), (2,), on_rank=3):
+        bad = verify(m, ref)
+    return {"clean": clean_r, "bad": bad}
+
+
+@scenario(4)
+def fsdp1(w: World) -> Any:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    torch.manual_seed(0)
+    m = FSDP(Net(), device_id=torch.device("cpu"), use_orig_params=True)
+    torch.manual_seed(0)
+    ref = Net().state_dict()
+    with FSDP.state_dict_type(m, StateDictType.SHARDED_STATE_DICT):
+        sd = m.state_dict()
+    kinds = sorted({type(v).__name__ for v in sd.values()})
+    clean_r = verify(sd, ref)
+    shards = sd["blocks.0.w1.weight"].local_shards()
+    target = shards[0].tensor if shards else torch.zeros(1)
+    with plant(target, 0, on_rank=1 if shards else -1):
+        bad = verify(sd, ref)
+    return {"kinds": kinds, "clean": clean_r, "bad": bad}
+
+
+@scenario(4)
+def layouts(w: World) -> Any:
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh1 = init_device_mesh("cpu", (4,))
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    full_t = torch.arange(80.0).reshape(16, 5)
+    sd = {
+        "strided_1d": distribute_tensor(full_t, mesh1, [_StridedShard(0, split_factor=2)]),
+        "strided_2d": distribute_tensor(
+            full_t, mesh2, [Shard(0), _StridedShard(0, split_factor=2)]
+        ),
+        "partial": DTensor.from_local(full_t / 4, mesh1, [Partial()]),
+        "box_2d": distribute_tensor(full_t, mesh2, [Shard(0), Shard(1)]),
+    }
+    return verify(sd, dict.fromkeys(sd, full_t))
+
+
+# --- fingerprints, replicas, save/load at world 4 ----------------------------------------------
+@scenario(4)
+def fp_layouts(w: World) -> Any:
     out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"__error__": traceback.format_exc()}
-        dist.barrier()
+    for layout in ("plain", "fsdp", "hsdp", "2d"):
+        m, o = build(layout, w.size, seed=11)
+        train(m, o, steps=1)
+        r = fsdpcheck.load(m, w.ckpts["fsdp4"], optimizer=o, verify=None)
+        assert r.ok, str(r)
+        out[layout] = hexes(fingerprint(m, o))
+    out["offline"] = hexes(fsdpcheck.fingerprint_checkpoint(w.ckpts["fsdp4"]))
+    out["live_fresh"] = hexes(fingerprint(w.base.fresh, w.base.fopt))
     return out
 
 
-# -------------------------------------------------------------------------------------------
-def world4(rank: int, world: int, workdir: Path) -> dict[str, Any]:
-    ck = workdir / "fsdp4"
-    model, opt = build("fsdp", world)
-    train(model, opt)
-    save(model, opt, ck)
-    full = full_reference(model)
-    fresh, fopt = build("fsdp", world, seed=1)
-    train(fresh, fopt, steps=1)  # optimizer state exists, values differ until the load
-    load(fresh, fopt, ck)
+@scenario(4)
+def fp_faults(w: World) -> Any:
+    fresh = w.base.fresh
+    base = fingerprint(fresh)
 
-    def clean() -> Any:
-        return report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
+    def changed() -> list[str]:
+        now = fingerprint(fresh)
+        return sorted(k for k in base if now[k] != base[k])
 
-    def plant(fqn: str, on_rank: int, edit: Callable[[torch.Tensor], None]) -> Any:
-        local = local_of(fresh, fqn)
-        saved = local.detach().clone()
-        if rank == on_rank:
-            with torch.no_grad():
-                edit(local)
-        r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
-        with torch.no_grad():
-            local.copy_(saved)
-        return r
-
-    def one_element() -> Any:
-        def edit(t: torch.Tensor) -> None:
-            t[1, 4] += 0.5
-
-        return plant("blocks.1.w1.weight", 2, edit)  # rank 2 holds rows 6..8: global (7, 4)
-
-    def swapped() -> Any:
-        local = local_of(fresh, "emb.weight")  # rows 0-1 on rank 0, 2-3 on rank 1
-        saved = demo.swap_shards(local)
-        r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
-        with torch.no_grad():
-            local.copy_(saved)
-        return r
-
-    def shifted() -> Any:
-        def edit(t: torch.Tensor) -> None:
-            full_w = full["blocks.0.w1.weight"]  # rank 1 holds rows 3..5; load rows 2..4
-            t.copy_(full_w[2:5])
-
-        return plant("blocks.0.w1.weight", 1, edit)
-
-    def zeroed_moment() -> Any:
-        p = dict(fresh.named_parameters())["blocks.0.w2.weight"]
-        moment = fopt.state[p]["exp_avg_sq"]
-        local = moment.to_local()  # 6 rows over 4 ranks: 2, 2, 2, 0
-        saved = local.clone()
-        if rank == 1:
-            local.zero_()
-        r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
-        local.copy_(saved)
-        return r
-
-    def step_differs() -> Any:
-        p = dict(fresh.named_parameters())["head.bias"]
-        step = fopt.state[p]["step"]
-        saved = step.clone()
-        if rank == 1:
-            step += 1
-        r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
-        step.copy_(saved)
-        return r
-
-    def edited_checkpoint(name: str, edit: Callable[[dict], None]) -> Any:
-        path = workdir / name
-        save(model, opt, path, edit)
-        return report(fsdpcheck.verify(fresh, path, optimizer=fopt))
-
-    def no_step() -> Any:
-        def edit(sd: dict) -> None:
-            # A new dict: the state dict shares its inner dicts with the live optimizer.
-            state = dict(sd["optim"]["state"])
-            state["emb.weight"] = {k: v for k, v in state["emb.weight"].items() if k != "step"}
-            sd["optim"] = {**sd["optim"], "state": state}
-
-        return edited_checkpoint("nostep", edit)
-
-    def dtype_change() -> Any:
-        def edit(sd: dict) -> None:
-            sd["model"] = {**sd["model"], "head.weight": sd["model"]["head.weight"].bfloat16()}
-
-        return edited_checkpoint("dtype", edit)
-
-    def shape_change() -> Any:
-        from torch.distributed.tensor import distribute_tensor
-
-        def edit(sd: dict) -> None:
-            w = sd["model"]["blocks.0.w2.weight"]
-            bigger = distribute_tensor(torch.zeros(6, 11), w.device_mesh, w.placements)
-            sd["model"] = {**sd["model"], "blocks.0.w2.weight": bigger}
-
-        return edited_checkpoint("shape", edit)
-
-    def key_missing() -> Any:
-        def edit(sd: dict) -> None:
-            sd["model"] = {k: v for k, v in sd["model"].items() if k != "blocks.1.norm.bias"}
-
-        return edited_checkpoint("nokey", edit)
-
-    def references() -> Any:
-        # The same content in every reference kind, all clean.
-        out = {}
-        tdir = workdir / "refs"
-        if rank == 0:
-            tdir.mkdir(exist_ok=True)
-            torch.save({"model": full}, tdir / "full.pt")
-            from safetensors.torch import save_file
-
-            save_file(full, str(tdir / "model.safetensors"))
-            hf = tdir / "hf"
-            hf.mkdir(exist_ok=True)
-            names = sorted(full)
-            half = len(names) // 2
-            shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
-            for fname, keys in shards.items():
-                save_file({k: full[k] for k in keys}, str(hf / fname))
-            import json
-
-            weight_map = {k: f for f, ks in shards.items() for k in ks}
-            (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-        dist.barrier()
-        plain = Net()
-        plain.load_state_dict(full)
-        for name, ref in {
-            "dcp": ck,
-            "torch.save": tdir / "full.pt",
-            "safetensors": tdir / "model.safetensors",
-            "hf-index": tdir / "hf" / "model.safetensors.index.json",
-            "hf-dir": tdir / "hf",
-            "mapping": full,
-            "module": plain,
-        }.items():
-            out[name] = report(fsdpcheck.verify(fresh, ref))
-        return out
-
-    def small_budget() -> Any:
-        # 64 bytes per batch: every tensor is read in pieces of a few rows.
-        return report(fsdpcheck.verify(fresh, ck, optimizer=fopt, memory_budget=64))
-
-    def unreadable_on_one_rank() -> Any:
-        path = workdir / "fsdp4" / "__0_0.distcp"
-        data = path.read_bytes()
-        dist.barrier()
-        if rank == 0:
-            path.write_bytes(data[:100])  # truncated: every rank reading it fails
-        dist.barrier()
-        try:
-            return report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
-        finally:
-            dist.barrier()
-            if rank == 0:
-                path.write_bytes(data)
-            dist.barrier()
-
-    def not_a_checkpoint() -> Any:
-        return report(fsdpcheck.verify(fresh, workdir / "does-not-exist"))
-
-    def hsdp() -> Any:
-        m, o = build("hsdp", world)
-        train(m, o)
-        path = workdir / "hsdp"
-        save(m, o, path)
-        clean_r = report(fsdpcheck.verify(m, path, optimizer=o))
-        local = local_of(m, "blocks.0.w1.weight")
-        if rank == 3:  # replica 1, shard 1 (rows 5..9)
-            with torch.no_grad():
-                local[0, 0] += 1
-        bad = report(fsdpcheck.verify(m, path, optimizer=o))
-        placements = str(dict(m.named_parameters())["blocks.0.w1.weight"].placements)
-        return {"clean": clean_r, "bad": bad, "placements": placements}
-
-    def two_d() -> Any:
-        m, o = build("2d", world)
-        train(m, o)
-        path = workdir / "2d"
-        save(m, o, path)
-        full2 = full_reference(m)
-        clean_r = report(fsdpcheck.verify(m, path, optimizer=o))
-        vs_full = report(fsdpcheck.verify(m, full2))
-        w1 = dict(m.named_parameters())["blocks.1.w1.weight"]
-        local = w1.to_local()
-        offset = fsdpcheck.layout.local_layout(w1).pieces[0].box.offset
-        if rank == 2 and local.numel() > 0:
-            with torch.no_grad():
-                local[0, 1] += 1
-        bad = report(fsdpcheck.verify(m, path, optimizer=o))
-        placements = {k: str(v.placements) for k, v in m.named_parameters() if "blocks.0" in k}
-        # 1D -> 2D: the FSDP2 world-4 checkpoint loaded into the 2D layout.
-        m2, o2 = build("2d", world, seed=5)
-        train(m2, o2, steps=1)
-        load(m2, o2, ck)
-        resharded = report(fsdpcheck.verify(m2, ck, optimizer=o2))
-        return {
-            "clean": clean_r,
-            "vs_full": vs_full,
-            "bad": bad,
-            "planted_offset": list(offset) if rank == 2 else None,
-            "placements": placements,
-            "resharded": resharded,
-        }
-
-    def ddp() -> Any:
-        m, o = build("ddp", world)
-        train(m, o)
-        ref = {k.removeprefix("module."): v.detach().clone() for k, v in m.state_dict().items()}
-        clean_r = report(fsdpcheck.verify(m, ref))
-        p = dict(m.module.named_parameters())["head.bias"]
-        if rank == 3:
-            with torch.no_grad():
-                p[2] += 1
-        bad = report(fsdpcheck.verify(m, ref))
-        return {"clean": clean_r, "bad": bad}
-
-    def fsdp1() -> Any:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import StateDictType
-
-        torch.manual_seed(0)
-        m = FSDP(Net(), device_id=torch.device("cpu"), use_orig_params=True)
-        torch.manual_seed(0)
-        ref = Net().state_dict()
-        with FSDP.state_dict_type(m, StateDictType.SHARDED_STATE_DICT):
-            sd = m.state_dict()
-        kinds = sorted({type(v).__name__ for v in sd.values()})
-        clean_r = report(fsdpcheck.verify(sd, ref))
-        st = sd["blocks.0.w1.weight"]
-        shards = st.local_shards()
-        if rank == 1 and shards:
-            shards[0].tensor.view(-1)[0] += 1
-        bad = report(fsdpcheck.verify(sd, ref))
-        return {"kinds": kinds, "clean": clean_r, "bad": bad}
-
-    def layouts() -> Any:
-        from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        mesh1 = init_device_mesh("cpu", (4,))
-        mesh2 = init_device_mesh("cpu", (2, 2))
-        full_t = torch.arange(80.0).reshape(16, 5)
-        sd = {
-            "strided_1d": distribute_tensor(full_t, mesh1, [_StridedShard(0, split_factor=2)]),
-            "strided_2d": distribute_tensor(
-                full_t, mesh2, [Shard(0), _StridedShard(0, split_factor=2)]
-            ),
-            "partial": DTensor.from_local(full_t / 4, mesh1, [Partial()]),
-            "box_2d": distribute_tensor(full_t, mesh2, [Shard(0), Shard(1)]),
-        }
-        return report(fsdpcheck.verify(sd, dict.fromkeys(sd, full_t)))
-
-    # --- fingerprints, save/load, replicas (fsdpcheck.fingerprint / save / load) ---------------
-    def hexes(fps: dict[str, int]) -> dict[str, str]:
-        return {k: f"{v:#018x}" for k, v in fps.items()}
-
-    def fp_layouts() -> Any:
-        out = {}
-        for layout in ("plain", "fsdp", "hsdp", "2d"):
-            m, o = build(layout, world, seed=11)
-            train(m, o, steps=1)
-            r = fsdpcheck.load(m, ck, optimizer=o, verify=None)
-            assert r.ok, str(r)
-            out[layout] = hexes(fsdpcheck.fingerprint(m, optimizer=o))
-        out["offline"] = hexes(fsdpcheck.fingerprint_checkpoint(ck))
-        out["live_fresh"] = hexes(fsdpcheck.fingerprint(fresh, optimizer=fopt))
-        return out
-
-    def fp_faults() -> Any:
-        base = fsdpcheck.fingerprint(fresh)
-        out = {}
-
-        def changed() -> list[str]:
-            now = fsdpcheck.fingerprint(fresh)
-            return sorted(k for k in base if now[k] != base[k])
-
-        emb = local_of(fresh, "emb.weight")
-        saved = demo.swap_shards(emb)  # rows 0-1 and 2-3 swapped
+    out = {}
+    with swap_shards(fresh.get_parameter("emb.weight")):  # rows 0-1 and 2-3 swapped
         out["swapped"] = changed()
-        with torch.no_grad():
-            emb.copy_(saved)
-        w = local_of(fresh, "blocks.0.w1.weight")
-        saved_w = w.detach().clone()
-        if rank == 1:
-            with torch.no_grad():
-                w.copy_(full["blocks.0.w1.weight"][2:5])  # shifted by one row
+    with shift_shard(fresh.get_parameter("blocks.0.w1.weight"), 1, on_rank=1):
         out["shifted"] = changed()
-        with torch.no_grad():
-            w.copy_(saved_w)
-        b = local_of(fresh, "blocks.1.norm.bias")
-        if rank == 2 and b.numel():
-            with torch.no_grad():
-                b.view(torch.int32)[0] ^= 1  # one flipped bit
+    with flip_bit(fresh.get_parameter("blocks.1.norm.bias"), 0, 0, on_rank=2):  # one bit
         out["bit"] = changed()
-        with torch.no_grad():
-            if rank == 2 and b.numel():
-                b.view(torch.int32)[0] ^= 1
-        out["restored"] = changed()
-        return out
+    out["restored"] = changed()
+    return out
 
-    def replicas() -> Any:
-        m, o = build("hsdp", world)
-        train(m, o)
+
+@scenario(4)
+def replicas(w: World) -> Any:
+    m, o = build("hsdp", w.size)
+    train(m, o)
+    with unchanged(m, o):
         clean_r = report(fsdpcheck.check_replicas(m, optimizer=o))
-        local = local_of(m, "blocks.1.w2.weight")
-        if rank == 2:  # replica 1 of shard 0 diverges
-            with torch.no_grad():
-                local.view(-1)[0] += 1
-        bad = report(fsdpcheck.check_replicas(m, optimizer=o))
+    # Rank 2 holds replica 1 of shard 0: it diverges.
+    with plant(m.get_parameter("blocks.1.w2.weight"), 0, on_rank=2):
+        with unchanged(m, o):
+            bad = report(fsdpcheck.check_replicas(m, optimizer=o))
         try:
-            fsdpcheck.fingerprint(m)
+            fingerprint(m)
             raised = None
         except fsdpcheck.FingerprintError as exc:
             raised = str(exc)
-        return {"clean": clean_r, "bad": bad, "fingerprint_raised": raised}
-
-    def save_load() -> Any:
-        path = workdir / "saved"
-        manifest = fsdpcheck.save(model, path, optimizer=opt)
-        m, o = build("fsdp", world, seed=3)
-        train(m, o, steps=1)
-        clean_r = report(fsdpcheck.load(m, path, optimizer=o))
-        # Corrupt rank 1's data file: flip one byte inside its shard of blocks.0.w1.weight.
-        dist.barrier()
-        if rank == 1:
-            f = path / "__1_0.distcp"
-            data = bytearray(f.read_bytes())
-            shard = local_of(model, "blocks.0.w1.weight").detach().contiguous()
-            at = bytes(data).find(shard.numpy().tobytes())
-            assert at > 0, "shard bytes not found in the .distcp file"
-            data[at + 6] ^= 0x10
-            f.write_bytes(bytes(data))
-        dist.barrier()
-        m2, o2 = build("fsdp", world, seed=4)
-        train(m2, o2, steps=1)
-        corrupted = report(fsdpcheck.load(m2, path, optimizer=o2))
-        # A full checkpoint where a sharded one is expected: refused before loading, everywhere.
-        full_path = workdir / "full.pt"
-        if rank == 0:
-            torch.save({"model": full}, full_path)
-        dist.barrier()
-        m3, _ = build("fsdp", world, seed=5)
-        before = local_of(m3, "emb.weight").detach().clone()
-        try:
-            fsdpcheck.load(m3, full_path, expect="sharded")
-            refused = None
-        except fsdpcheck.CheckpointKindError as exc:
-            refused = str(exc)
-        untouched = bool(torch.equal(before, local_of(m3, "emb.weight")))
-        full_load = report(fsdpcheck.load(m3, full_path, expect="full"))
-        same = fsdpcheck.fingerprint(m3) == {
-            k: v for k, v in fsdpcheck.fingerprint(model).items() if not k.startswith("optim.")
-        }
-        return {
-            "manifest_world": manifest["world_size"],
-            "manifest_meshes": manifest["meshes"],
-            "clean": clean_r,
-            "corrupted": corrupted,
-            "refused": refused,
-            "untouched": untouched,
-            "full_load": full_load,
-            "full_same_fingerprints": same,
-        }
-
-    def one_rank_fails() -> Any:
-        """A failure on one rank only: every rank gets the same verdict, nobody hangs."""
-        import importlib
-        from unittest import mock
-
-        # The modules (fsdpcheck.verify is also the name of the function the package exports).
-        vmod = importlib.import_module("fsdpcheck.verify")
-        ckmod = importlib.import_module("fsdpcheck.checkpoint")
-
-        def unreadable(*_: Any) -> Any:
-            raise OSError("Input/output error (simulated on this rank only)")
-
-        with mock.patch.object(vmod, "open_source", unreadable if rank == 2 else vmod.open_source):
-            verify_r = report(fsdpcheck.verify(fresh, ck, optimizer=fopt))
-        full_path = workdir / "full_for_fail.pt"
-        if rank == 0:
-            torch.save({"model": full}, full_path)
-        dist.barrier()
-        fail_on_1 = unreadable if rank == 1 else ckmod._read_full
-        with mock.patch.object(ckmod, "_read_full", fail_on_1):
-            try:
-                fsdpcheck.load(fresh, full_path, verify=None)
-                load_error = None
-            except RuntimeError as exc:
-                load_error = str(exc)
-        return {"verify": verify_r, "load_error": load_error}
-
-    return run_all(
-        {
-            "one_rank_fails": one_rank_fails,
-            "fp_layouts": fp_layouts,
-            "fp_faults": fp_faults,
-            "replicas": replicas,
-            "save_load": save_load,
-            "layouts": layouts,
-            "clean": clean,
-            "one_element": one_element,
-            "swapped": swapped,
-            "shifted": shifted,
-            "zeroed_moment": zeroed_moment,
-            "step_differs": step_differs,
-            "no_step": no_step,
-            "dtype_change": dtype_change,
-            "shape_change": shape_change,
-            "key_missing": key_missing,
-            "references": references,
-            "small_budget": small_budget,
-            "unreadable": unreadable_on_one_rank,
-            "not_a_checkpoint": not_a_checkpoint,
-            "hsdp": hsdp,
-            "two_d": two_d,
-            "ddp": ddp,
-            "fsdp1": fsdp1,
-        }
-    )
+    return {"clean": clean_r, "bad": bad, "fingerprint_raised": raised}
 
 
-def resharded(rank: int, world: int, workdir: Path) -> dict[str, Any]:
-    """Loads the world-4 FSDP2 checkpoint (written by world4) at this world size and verifies."""
-    ck = workdir.parent / "w4" / "fsdp4"
-    m, o = build("fsdp", world, seed=7)
+@scenario(4)
+def save_load(w: World) -> Any:
+    b = w.base
+    path = w.workdir / "saved"
+    manifest = fsdpcheck.save(b.model, path, optimizer=b.opt)
+    m, o = build("fsdp", w.size, seed=3)
     train(m, o, steps=1)
+    clean_r = report(fsdpcheck.load(m, path, optimizer=o))
+    # Rank 1's data file with one byte flipped inside its shard of blocks.0.w1.weight.
+    data_file = path / "__1_0.distcp"
+    at = find_bytes(data_file, b.model.get_parameter("blocks.0.w1.weight")) if w.rank == 1 else 0
+    m2, o2 = build("fsdp", w.size, seed=4)
+    train(m2, o2, steps=1)
+    with flip_byte(data_file, at + 6, 0x10, on_rank=1):
+        corrupted = report(fsdpcheck.load(m2, path, optimizer=o2))
+    # A full checkpoint where a sharded one is expected: refused before loading, everywhere.
+    full_path = w.workdir / "full.pt"
+    if w.rank == 0:
+        torch.save({"model": b.full}, full_path)
+    w.barrier()
+    m3, _ = build("fsdp", w.size, seed=5)
+    before = snapshot(m3)
+    try:
+        fsdpcheck.load(m3, full_path, expect="sharded")
+        refused = None
+    except fsdpcheck.CheckpointKindError as exc:
+        refused = str(exc)
+    untouched = before == snapshot(m3)
+    full_load = report(fsdpcheck.load(m3, full_path, expect="full"))
+    trained = {k: v for k, v in fingerprint(b.model).items() if not k.startswith("optim.")}
+    return {
+        "manifest_world": manifest["world_size"],
+        "manifest_meshes": manifest["meshes"],
+        "clean": clean_r,
+        "corrupted": corrupted,
+        "refused": refused,
+        "untouched": untouched,
+        "full_load": full_load,
+        "full_same_fingerprints": fingerprint(m3) == trained,
+    }
 
-    def before_load() -> Any:
-        return report(fsdpcheck.verify(m, ck, optimizer=o))
 
-    def after_load() -> Any:
-        load(m, o, ck)
-        return report(fsdpcheck.verify(m, ck, optimizer=o))
+@scenario(4)
+def one_rank_fails(w: World) -> Any:
+    """A failure on one rank only: every rank gets the same verdict, nobody hangs."""
+    import importlib
+    from unittest import mock
 
-    def planted() -> Any:
-        local = local_of(m, "emb.weight")
-        if rank == world - 1 and local.shape[0] > 0:
-            with torch.no_grad():
-                local[-1, -1] += 1
-        return report(fsdpcheck.verify(m, ck, optimizer=o))
+    b = w.base
+    # The modules (fsdpcheck.verify is also the name of the function the package exports).
+    vmod = importlib.import_module("fsdpcheck.verify")
+    ckmod = importlib.import_module("fsdpcheck.checkpoint")
 
-    def fingerprints() -> Any:
-        fps = fsdpcheck.fingerprint(m, optimizer=o)
-        return {k: f"{v:#018x}" for k, v in fps.items()}
+    def unreadable(*_: Any) -> Any:
+        raise OSError("Input/output error (simulated on this rank only)")
 
-    return run_all(
-        {
-            "before_load": before_load,
-            "after_load": after_load,
-            "fingerprints": fingerprints,
-            "planted": planted,
-        }
-    )
+    with mock.patch.object(vmod, "open_source", unreadable if w.rank == 2 else vmod.open_source):
+        verify_r = verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+    full_path = w.workdir / "full.pt"
+    if w.rank == 0:
+        torch.save({"model": b.full}, full_path)
+    w.barrier()
+    m, _ = build("fsdp", w.size, seed=1)
+    fail_on_1 = unreadable if w.rank == 1 else ckmod._read_full
+    with mock.patch.object(ckmod, "_read_full", fail_on_1):
+        try:
+            fsdpcheck.load(m, full_path, verify=None)
+            load_error = None
+        except RuntimeError as exc:
+            load_error = str(exc)
+    return {"verify": verify_r, "load_error": load_error}
+
+
+# --- the world-4 checkpoint at other world sizes -----------------------------------------------
+@scenario(2, 3)
+def reshard_before_load(w: World) -> Any:
+    m, o = build("fsdp", w.size, seed=7)
+    train(m, o, steps=1)
+    return verify(m, w.ckpts["fsdp4"], optimizer=o)
+
+
+@scenario(2, 3)
+def reshard_after_load(w: World) -> Any:
+    return verify(w.base.fresh, w.ckpts["fsdp4"], optimizer=w.base.fopt)
+
+
+@scenario(2, 3)
+def reshard_planted(w: World) -> Any:
+    b = w.base
+    # The last row and column of emb.weight live on the last rank.
+    with plant(b.fresh.get_parameter("emb.weight"), (-1, -1), on_rank=w.size - 1):
+        return verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+
+
+@scenario(2, 3)
+def reshard_fingerprints(w: World) -> Any:
+    return hexes(fingerprint(w.base.fresh, w.base.fopt))
