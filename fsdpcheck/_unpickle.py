@@ -55,6 +55,14 @@ _PATHS = {
 class UnsafePickleError(pickle.UnpicklingError, ValueError):
     """A pickle names a class or function outside the allowlist; nothing of it was run."""
 
+    def __init__(self, message: str) -> None:
+        # The names come from the file: escape line breaks and control characters.
+        if not message.isprintable():
+            message = "".join(
+                c if c.isprintable() else c.encode("unicode_escape").decode() for c in message
+            )
+        super().__init__(message)
+
 
 def _torch_value(name: str) -> Any:
     """``torch.<name>`` when it is a dtype, layout or memory format (how torch pickles them)."""

@@ -153,16 +153,16 @@ def _audit_manifest(
 ) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdpcheck.checkpoint import read_manifest
+    from fsdpcheck.manifest import read_manifest
 
-    manifest = read_manifest(p)
+    manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
         notes.append(f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save)")
         return
     meta = md.state_dict_metadata
     listed = set()
-    for key, e in manifest["entries"].items():
-        ck = e["checkpoint_key"]
+    for key, e in manifest.entries.items():
+        ck = e.checkpoint_key
         listed.add(ck)
         m = meta.get(ck)
         if not isinstance(m, TensorStorageMetadata):
@@ -170,29 +170,27 @@ def _audit_manifest(
                 Finding(prefix + key, "missing", f"in the manifest but {ck} is not saved")
             )
             continue
-        if list(m.size) != e["shape"]:
+        if tuple(m.size) != tuple(e.shape):
             findings.append(
                 Finding(
                     prefix + key,
                     "shape",
-                    f"manifest says {tuple(e['shape'])}, metadata {tuple(m.size)}",
+                    f"manifest says {tuple(e.shape)}, metadata {tuple(m.size)}",
                 )
             )
         dtype = str(m.properties.dtype).removeprefix("torch.")
-        if dtype != e["dtype"]:
+        if dtype != e.dtype:
             findings.append(
-                Finding(prefix + key, "dtype", f"manifest says {e['dtype']}, metadata {dtype}")
+                Finding(prefix + key, "dtype", f"manifest says {e.dtype}, metadata {dtype}")
             )
     for ck, m in meta.items():
         if isinstance(m, TensorStorageMetadata) and ck not in listed:
             findings.append(Finding(prefix + ck, "unexpected", "saved but not in the manifest"))
     if deep:
-        from fsdpcheck.fingerprint import fingerprint_checkpoint, fingerprints_differ
+        from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
 
         actual = fingerprint_checkpoint(p)
-        expected = {
-            k: int(e["fingerprint"], 16) for k, e in manifest["entries"].items() if e["fingerprint"]
-        }
+        expected = manifest.fingerprints()
         findings.extend(
             fingerprints_differ(expected, {k: actual[k] for k in actual if k in expected})
         )

@@ -23,8 +23,12 @@ class CheckpointError(ValueError):
     """A checkpoint file is malformed, inconsistent or refused: unreadable input.
 
     The message is one line naming the file (and the key where there is one). It is not a
-    verdict on the values.
+    verdict on the values. Names taken from a file (keys, paths, class names) may hold line
+    breaks or control characters: they are escaped, so the message stays one printable line.
     """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(printable(message))
 
 
 class CoverageError(CheckpointError):
@@ -32,6 +36,13 @@ class CoverageError(CheckpointError):
 
     There is no data to return, and an uninitialised buffer is never returned instead.
     """
+
+
+def printable(text: str) -> str:
+    """`text` with line breaks and other control characters escaped as Python escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
