@@ -400,7 +400,7 @@ def test_fifo_named_model_pt_is_refused_without_blocking(tmp_path):
     with pytest.raises(CheckpointError, match="is a FIFO") as e:
         bounded(lambda: TorchSaveSource(f), 20, release_fifo(f))
     one_line(e.value)
-    with pytest.raises(ValueError, match="FIFO|not a regular file") as e:
+    with pytest.raises(ValueError, match=r"FIFO|not a regular file") as e:
         bounded(lambda: fsdpcheck.fingerprint_checkpoint(f), 20, release_fifo(f))
     one_line(e.value)
 
