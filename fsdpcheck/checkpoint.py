@@ -1,33 +1,38 @@
 """fsdpcheck.save and fsdpcheck.load: a checkpoint with a manifest, and a load that checks.
 
-save writes a DCP checkpoint plus a fingerprint manifest; load detects the checkpoint's kind,
-refuses the wrong kind before touching anything, and checks what it loaded against the manifest
-in one pass.
+save writes a DCP checkpoint plus a fingerprint manifest, atomically: into a temporary sibling
+directory that is renamed into place once every rank has finished. load recognises the
+checkpoint's layout, checks its structure on every rank before any byte reaches the model
+(refusing, with the model untouched, what fails), loads it through fsdpcheck's safe DCP reader,
+and checks what it loaded against the manifest in one pass.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
+import secrets
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from fsdpcheck import keys as keymod
+from fsdpcheck import _version, matching
 from fsdpcheck.collectives import Comm, agree
-from fsdpcheck.fingerprint import fingerprint_report, fingerprints_differ
-from fsdpcheck.layout import local_layout
-from fsdpcheck.live import flat_live
-from fsdpcheck.report import Finding, Report
-from fsdpcheck.sources.dcp import is_dcp_dir
-from fsdpcheck.sources.files import TORCH_SAVE_SUFFIXES
+from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
+from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
+from fsdpcheck.live import inner_optimizers, model_canonicalizer
+from fsdpcheck.manifest import Manifest, ManifestEntry, read_manifest, write_manifest
+from fsdpcheck.report import Report, normalized
+from fsdpcheck.sentinel import fill_sentinel, unwritten
+from fsdpcheck.sources import Region, Source, open_path, open_source
+from fsdpcheck.sources.base import CheckpointError
+from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.verification import verify as verify_full
 
-MANIFEST_NAME = "fsdpcheck_manifest.json"
-MANIFEST_FORMAT = "fsdpcheck-manifest"
-MANIFEST_VERSION = 1
-KINDS = ("sharded", "full")
+CHECKPOINT_KINDS = ("sharded", "full")
 
 
 class CheckpointKindError(ValueError):
@@ -38,119 +43,155 @@ def save(
     model: torch.nn.Module,
     path: str | os.PathLike[str],
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
+    overwrite: bool = False,
     group: Any = None,
-) -> dict[str, Any]:
-    """Saves the sharded state with DCP and writes a fingerprint manifest next to it.
+) -> Manifest:
+    """Saves the sharded state with DCP and writes a fingerprint manifest next to it, atomically.
 
-    Collective. The state dict comes from ``get_state_dict`` (FQN keys, saved as
-    ``model.<fqn>`` and ``optim.state.<fqn>.<name>``). The manifest (``fsdpcheck_manifest.json``
-    in the checkpoint directory) holds per key its Fingerprint v1, global shape and dtype, and for
-    the checkpoint its kind, world size, meshes, torch and fsdpcheck versions and format version.
-    Computing it reads each local shard once, on its device.
+    Collective. The ranks first agree on the path. The state dict comes from torch's
+    ``get_state_dict`` (FQN keys, saved as ``model.<fqn>`` and ``optim.state.<fqn>.<name>``)
+    and is written into a temporary sibling directory together with the manifest (per key its
+    Fingerprint v1, global shape, dtype and checkpoint key; for the checkpoint its kind, world
+    size, meshes, versions). Only when every rank has finished is it renamed into place, so a
+    save killed half-way leaves the old checkpoint as it was and nothing ``load`` or ``audit``
+    would accept, and stale files of an earlier, larger save never mix into a new one.
 
     Args:
         model: The (sharded) model.
-        path: The checkpoint directory.
-        optimizer: Its optimizer, saved too when given.
+        path: The checkpoint directory (must not exist or be empty, unless `overwrite`).
+        optimizer: Its optimizer (or a wrapper of several), saved too when given. It must hold
+            state (have stepped): fsdpcheck never initialises an optimizer's state.
+        overwrite: Replace an existing checkpoint at `path` (whole: nothing of it survives).
         group: The process group.
 
     Returns:
         The manifest (identical on every rank).
+
+    Raises:
+        RuntimeError: On every rank, when any rank failed (the message names the rank).
+        FileExistsError: `path` holds something and `overwrite` is False (on every rank).
     """
-    from torch.distributed.checkpoint import save as dcp_save
+    comm = Comm(group)
+    target = Path(path).absolute()
+    token = secrets.token_hex(6)
+    paths = comm.all_gather_object((str(target), token))
+    if len({p for p, _ in paths}) != 1:
+        raise RuntimeError(
+            "fsdpcheck.save: the ranks were given different paths "
+            f"({sorted({p for p, _ in paths})}); every rank must save to the same directory"
+        )
+    tmp = target.parent / f".{target.name}.fsdpcheck-tmp-{paths[0][1]}"
+
+    def prepare() -> dict[str, Any]:
+        if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(
+                f"{target} exists and is not empty; pass overwrite=True to replace it"
+            )
+        optimizers = inner_optimizers(optimizer) if optimizer is not None else []
+        empty = [i for i, o in enumerate(optimizers) if not o.state]
+        if empty:
+            raise ValueError(
+                f"the optimizer{'s' if len(optimizers) > 1 else ''} {empty} "
+                "have no state (never stepped): saving it would make torch "
+                "initialise it; step it first or save without optimizer="
+            )
+        if comm.rank == 0:
+            tmp.mkdir(parents=True)
+        return _save_state(model, optimizers)
+
+    state = agree(comm, prepare, f"fsdpcheck.save to {target}")
+    try:
+        from torch.distributed.checkpoint import save as dcp_save
+
+        dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
+        fps = fingerprint_report(model, optimizer=optimizer, group=group)
+        manifest = agree(comm, lambda: _manifest(tmp, fps, comm), "building the manifest")
+
+        def publish() -> None:
+            if comm.rank == 0:
+                write_manifest(tmp, manifest)
+                _replace(tmp, target)
+
+        agree(comm, publish, f"moving the checkpoint into {target}")
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    from fsdpcheck import __version__
+    if optimizers:
+        opt: Any = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optim": osd}
+    return {"model": get_model_state_dict(model)}
 
-    comm = Comm(group)
-    path = Path(path)
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    dcp_save(state, checkpoint_id=str(path), process_group=group, no_dist=not comm.enabled)
-    fps = fingerprint_report(model, optimizer=optimizer, group=group)
-    entries: dict[str, Any] = {}
+
+def _manifest(tmp: Path, fps: Any, comm: Comm) -> Manifest:
+    source = DCPSource(tmp)
+    try:
+        keys = matching.checkpoint_keys(source.entries())
+    finally:
+        source.close()
+    by_name = {r.name: r.key for r in keys.tensors()}
+    entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()
-    for key, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
+    for name, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
         if "DTensor" in lay.description:
             meshes.add(lay.description.split(" on mesh ")[-1])
-        entries[key] = {
-            "checkpoint_key": key if key.startswith("optim.") else f"model.{key}",
-            "shape": list(lay.global_shape),
-            "dtype": str(lay.dtype).removeprefix("torch."),
-            "fingerprint": f"{fps.fingerprints[key]:#018x}" if key in fps.fingerprints else None,
-        }
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "format_version": MANIFEST_VERSION,
-        "kind": "sharded",
-        "storage": "dcp",
-        "world_size": comm.world,
-        "meshes": sorted(meshes),
-        "torch": torch.__version__,
-        "fsdpcheck": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "entries": entries,
-        "findings_at_save": [f.describe() for f in fps.findings],
-    }
-
-    def write() -> None:
-        if comm.rank == 0:
-            tmp = path / (MANIFEST_NAME + ".tmp")
-            tmp.write_text(json.dumps(manifest, indent=1))
-            tmp.replace(path / MANIFEST_NAME)  # atomic: readers never see half a manifest
-
-    agree(comm, write, "writing the manifest")  # also the barrier: it is on disk for everyone
-    return manifest
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest of a checkpoint directory, or None when it has none."""
-    f = Path(path) / MANIFEST_NAME
-    if not f.is_file():
-        return None
-    manifest = json.loads(f.read_text())
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{f} is not an fsdpcheck manifest")
-    if manifest.get("format_version", 0) > MANIFEST_VERSION:
-        raise ValueError(
-            f"{f} has format version {manifest['format_version']}; this fsdpcheck reads up to "
-            f"{MANIFEST_VERSION}: upgrade fsdpcheck"
+        entries[name] = ManifestEntry(
+            by_name.get(name, name),
+            tuple(lay.global_shape),
+            str(lay.dtype).removeprefix("torch."),
+            fps.fingerprints.get(name),
         )
-    return manifest
+    return Manifest(
+        kind="sharded",
+        storage="dcp",
+        world_size=comm.world,
+        entries=entries,
+        meshes=sorted(meshes),
+        torch=torch.__version__,
+        fsdpcheck=_version.__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        tied=dict(fps.tied),
+        findings_at_save=[f.describe() for f in fps.findings],
+    )
 
 
-def detect_kind(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """("sharded" | "full", a description) of a checkpoint path, reading only metadata."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"checkpoint {p} does not exist")
-    if is_dcp_dir(p):
-        return "sharded", f"a DCP checkpoint directory ({p})"
-    if p.is_dir():
-        fsdp = sorted(p.glob("pytorch_model_fsdp_*"))
-        if fsdp and is_dcp_dir(fsdp[0]):
-            return "sharded", f"an accelerate save_state directory with sharded {fsdp[0].name}/"
-        full = sorted(q for q in p.iterdir() if q.suffix in (*TORCH_SAVE_SUFFIXES, ".safetensors"))
-        if full:
-            return (
-                "full",
-                f"a directory of full-state files ({', '.join(q.name for q in full[:3])})",
-            )
-        raise ValueError(f"{p} holds no checkpoint fsdpcheck recognises")
-    if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
-        return "full", f"a safetensors file of full tensors ({p.name})"
-    return "full", f"a torch.save file of full tensors ({p.name})"
+def _replace(tmp: Path, target: Path) -> None:
+    """Renames `tmp` to `target`; an existing target is moved aside first, then removed."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.fsdpcheck-old-{secrets.token_hex(6)}"
+        target.rename(old)
+    tmp.rename(target)
+    if old is not None:
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
+# -------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """What load will do, decided (and checked) before any byte reaches the model."""
+
+    info: CheckpointInfo
+    manifest: Manifest | None
+    parts: list[tuple[Path, matching.CheckpointKeys]]  # DCP directories (sharded loads)
 
 
 def load(
     model: torch.nn.Module,
     path: str | os.PathLike[str],
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     verify: str | None = "fingerprint",
     expect: str | None = None,
     sentinel: bool = False,
@@ -159,15 +200,22 @@ def load(
     """Loads any supported checkpoint into a (sharded) model and optimizer, then checks it.
 
     Collective. What `path` is decides how it is loaded, so hand-written code cannot load a full
-    checkpoint as if it were sharded or the reverse: a DCP directory is loaded with DCP into the
-    sharded state; a full checkpoint (torch.save file, safetensors) with ``set_state_dict`` and
-    ``full_state_dict=True``, each rank keeping its own shards.
+    checkpoint as if it were sharded or the reverse: a DCP directory (of any writer: fsdpcheck,
+    torchtitan, accelerate, Lightning, plain) is loaded with DCP into the sharded state, following
+    the checkpoint's own nesting and names; a full checkpoint (torch.save, safetensors) with
+    ``set_state_dict`` and ``full_state_dict=True``, each rank keeping its own shards.
+
+    Before anything is loaded, every rank checks the checkpoint's structure (files present and
+    long enough, chunks tiling every tensor, the manifest valid and agreeing with the metadata)
+    and the ranks agree on the result: a checkpoint that fails is refused on every rank with one
+    line, and the model and optimizer are untouched. DCP data is read by fsdpcheck's own reader
+    (restricted unpickling of the metadata, ``weights_only`` values): no code from the checkpoint
+    runs.
 
     Args:
         model: The model to load into (FSDP2, TP, 2D, HSDP, DDP or plain).
-        path: A DCP directory (ideally written by ``fsdpcheck.save``), a torch.save file, or
-            safetensors.
-        optimizer: The optimizer to load too.
+        path: Any checkpoint ``fsdpcheck.describe_path`` recognises.
+        optimizer: The optimizer to load too (or a wrapper of several).
         verify: "fingerprint" (the loaded shards against the manifest: one pass, one gather, no
             second read of the checkpoint; falls back to "full" without a manifest and says so),
             "full" (``fsdpcheck.verify`` against the files) or None.
@@ -179,39 +227,43 @@ def load(
 
     Returns:
         The Report of the check (its notes say what was loaded and how it was checked).
-    """
-    from fsdpcheck.verify import verify as verify_full
 
+    Raises:
+        CheckpointKindError: `expect` does not match (nothing loaded, on every rank).
+        RuntimeError: On every rank, when the checkpoint fails the structure check on any rank
+            (nothing loaded; the message names the rank, the file and the problem).
+    """
     if verify not in ("fingerprint", "full", None):
         raise ValueError(f"verify must be 'fingerprint', 'full' or None, not {verify!r}")
-    if expect not in (*KINDS, None):
+    if expect not in (*CHECKPOINT_KINDS, None):
         raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
-    kind, what = detect_kind(path)
-    if expect is not None and expect != kind:
+    comm = Comm(group)
+    plan = agree(comm, lambda: _preflight(path), f"checking {path} before loading")
+    info = plan.info
+    if expect is not None and expect != info.kind:
         hint = (
             "load it with expect='full' (fsdpcheck loads full checkpoints into sharded models), "
             "or convert it with torch.distributed.checkpoint.format_utils.torch_save_to_dcp"
-            if kind == "full"
+            if info.kind == "full"
             else "load it with expect='sharded', or write a full one with "
             "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
         )
         raise CheckpointKindError(
-            f"expected a {expect} checkpoint but {path} is {what}, a {kind} checkpoint; "
-            f"nothing was loaded. {hint}"
+            f"expected a {expect} checkpoint but {path} is {info.description}, a {info.kind} "
+            f"checkpoint; nothing was loaded. {hint}"
         )
-    comm = Comm(group)
-    path = Path(path)
-    marked = agree(comm, lambda: _fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
-    if kind == "sharded":
-        _load_sharded(model, optimizer, path, group, comm)  # DCP reports failures collectively
+    marked = agree(comm, lambda: fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
+    if info.kind == "sharded":
+        for d, keys in plan.parts:  # DCP reports failures collectively
+            _load_dcp(model, optimizer, d, keys, group, comm)
     else:
         # Reading is local and may fail on one rank: agree on it before torch's collectives.
-        full, osd = agree(comm, lambda: _read_full(model, optimizer, path), f"reading {path}")
+        full, osd = agree(comm, lambda: _read_full(model, optimizer, info), f"reading {path}")
         _apply_full(model, optimizer, full, osd)
-    notes = [f"loaded {what} as a {kind} checkpoint"]
-    findings = _unwritten(marked, comm) if sentinel else []
+    notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
+    findings = unwritten(marked, comm) if sentinel else []
     report: Report
-    manifest = read_manifest(path) if kind == "sharded" and path.is_dir() else None
+    manifest = plan.manifest
     if verify == "fingerprint" and manifest is None:
         notes.append("no fsdpcheck manifest: verify='fingerprint' fell back to verify='full'")
         verify = "full"
@@ -219,101 +271,218 @@ def load(
         assert manifest is not None
         result = fingerprint_report(model, optimizer=optimizer, group=group)
         expected = {
-            k: int(v["fingerprint"], 16)
-            for k, v in manifest["entries"].items()
-            if v.get("fingerprint") and (optimizer is not None or not k.startswith("optim."))
+            k: fp
+            for k, fp in manifest.fingerprints().items()
+            if optimizer is not None or not k.startswith("optim.")
         }
         report = Report(
             findings=fingerprints_differ(expected, result.fingerprints) + result.findings,
             reference=f"the manifest of {path}",
             world_size=comm.world,
             keys_checked=len(expected),
+            keys_a=len(result.fingerprints),
+            keys_b=len(expected),
+            side_b="manifest",
         )
     elif verify == "full":
         report = verify_full(model, path, optimizer=optimizer, group=group)
     else:
         report = Report(reference=str(path), world_size=comm.world)
         notes.append("not verified (verify=None)")
-    report.findings = sorted(findings + report.findings, key=lambda f: (f.key, f.kind))
+    report.findings = normalized(findings + report.findings)
     report.notes = notes + report.notes
     return report
 
 
-def _load_sharded(model: Any, optimizer: Any, path: Path, group: Any, comm: Comm) -> None:
-    """DCP loads into the sharded state, following the checkpoint's own nesting.
+def _preflight(path: str | os.PathLike[str]) -> _Plan:
+    """Recognises the checkpoint and checks its structure; raises on anything wrong."""
+    info = describe_path(path)
+    manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
+    parts: list[tuple[Path, matching.CheckpointKeys]] = []
+    for part in info.parts:
+        source = open_path(part)
+        try:
+            problems = source.problems()
+            if problems:
+                key, kind, message = problems[0]
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise CheckpointError(
+                    f"{part}: {kind} in {key}: {message}{more}; refusing to "
+                    "load it (nothing was loaded)"
+                )
+            keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+            if manifest is not None:
+                _manifest_agrees(manifest, source, keys, part)
+        finally:
+            source.close()
+        if is_dcp_dir(part):
+            parts.append((part, keys))
+    return _Plan(info, manifest, parts)
+
+
+def _manifest_agrees(
+    manifest: Manifest, source: Source, keys: matching.CheckpointKeys, where: Path
+) -> None:
+    entries = source.entries()
+    for name, e in manifest.entries.items():
+        entry = entries.get(e.checkpoint_key)
+        if entry is None:
+            raise CheckpointError(
+                f"{where}: the manifest lists {name} as {e.checkpoint_key!r}, "
+                "which the checkpoint's metadata lacks"
+            )
+        dtype = str(entry.dtype).removeprefix("torch.")
+        if tuple(entry.shape) != e.shape or dtype != e.dtype:
+            raise CheckpointError(
+                f"{where}: {name}: the manifest says {e.shape} {e.dtype}, the metadata "
+                f"{tuple(entry.shape)} {dtype}"
+            )
+    del keys
+
+
+def _load_dcp(
+    model: Any, optimizer: Any, d: Path, keys: matching.CheckpointKeys, group: Any, comm: Comm
+) -> None:
+    """DCP loads into the sharded state, nested and named as the checkpoint has it.
 
     Checkpoints nest the model and optimizer state under names of their writer's choosing
-    ({"model": ..., "optim": ...} from fsdpcheck.save and torchtitan-style code, "optimizer" from
-    accelerate, or flat): each DCP directory's metadata says which, and the state dict handed to
-    DCP is nested the same way.
+    ({"model": ..., "optim": ...} from fsdpcheck.save, "optimizer" from accelerate, flattened
+    ``state.<fqn>.<name>`` from torchtitan, flat) and spell FQNs their way (``_forward_module.``
+    from Lightning): the state dict handed to DCP is built from the checkpoint's own keys, and
+    DCP copies into the live tensors in place.
     """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    from fsdpcheck.sources import accelerate_dirs
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 
-    dirs = [path] if is_dcp_dir(path) else accelerate_dirs(path)
-    for d in dirs:
-        model_at, optim_at = _containers(DCPSource(d))
-        if optimizer is None:
-            optim_at = None
-        state: dict[str, Any] = {}
-        msd = get_model_state_dict(model) if model_at is not None else None
-        osd = get_optimizer_state_dict(model, optimizer) if optim_at is not None else None
-        for at, sd in ((model_at, msd), (optim_at, osd)):
-            if at is not None and sd is not None:
-                if at:
-                    state[at] = sd
-                else:
-                    state.update(sd)
-        if not state:
-            continue
-        dcp_load(state, checkpoint_id=str(d), process_group=group, no_dist=not comm.enabled)
-        if msd is not None:
-            set_model_state_dict(model, state[model_at] if model_at else msd)
-        if osd is not None:
-            set_optimizer_state_dict(model, optimizer, state[optim_at] if optim_at else osd)
+    state: dict[str, Any] = {}
+    canon = model_canonicalizer(model)
+    msd = None
+    if keys.model:
+        msd = get_model_state_dict(model)
+        for k, v in msd.items():
+            r = keys.model.get(canon(k))
+            if r is not None:
+                _put(state, r.entry.path, v)
+    osd: Any = None
+    opt: Any = None
+    options: Any = None
+    inverse: dict[str, str] = {}
+    if optimizer is not None and keys.state:
+        if keys.id_keyed:
+            raise CheckpointError(
+                f"{d}: optimizer state keyed by integer ids (a raw "
+                "optimizer.state_dict()) cannot be loaded into a sharded "
+                "optimizer by name"
+            )
+        optimizers = inner_optimizers(optimizer)
+        opt = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
+        flatten = keys.groups_by_fqn or any(len(r.entry.path) <= 2 for r in keys.state.values())
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        osd = get_optimizer_state_dict(model, opt, options=options)
+        spelled = {r.fqn: r.raw for r in keys.state.values()}
+        spelled.update({r.fqn: r.raw for g in keys.groups.values() for r in g.values()})
+        renamed, inverse = _spell(osd, spelled, canon, flatten)
+        at = next(iter(keys.state.values())).container
+        if at:
+            state[at] = renamed
+        else:
+            state.update(renamed)
+    if not state:
+        return
+    dcp_load(
+        state,
+        storage_reader=SafeFileSystemReader(d),
+        planner=SafeLoadPlanner(),
+        process_group=group,
+        no_dist=not comm.enabled,
+    )
+    if msd is not None:
+        set_model_state_dict(model, msd)
+    if osd is not None:
+        at = next(iter(keys.state.values())).container
+        loaded = state[at] if at else state
+        set_optimizer_state_dict(model, opt, _unspell(loaded, osd, inverse), options=options)
 
 
-def _containers(source: Any) -> tuple[str | None, str | None]:
-    """Where a DCP checkpoint nests model and optimizer state ("" flat, None absent)."""
-    c = keymod.classify(source.entries())
-    model_at = None
-    for e in c.model.values():
-        nested = len(e.path) > 1 and e.path[0] in keymod.MODEL_CONTAINERS
-        model_at = e.path[0] if nested else ""
-        break
-    optim_at = None
-    for e in c.state.values():
-        optim_at = e.path[0] if len(e.path) == 4 else ""
-        break
-    return model_at, optim_at
+def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    d = state
+    for part in path[:-1]:
+        d = d.setdefault(part, {})
+    d[path[-1]] = value
 
 
-def _read_full(model: Any, optimizer: Any, path: Path) -> tuple[dict, dict | None]:
+def _spell(
+    osd: Any, spelled: dict[str, str], canon: Any, flatten: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The live optimizer state dict with FQNs spelled as the checkpoint spells them.
+
+    Also returns the inverse renaming (checkpoint spelling -> live key).
+    """
+    inverse: dict[str, str] = {}
+
+    def name(fqn: str) -> str:
+        out = spelled.get(canon(fqn), fqn)
+        inverse[out] = fqn
+        return out
+
+    if flatten:
+        out = {}
+        for k, v in osd.items():
+            kind, _, rest = k.partition(".")
+            fqn, _, item = rest.rpartition(".")
+            new = f"{kind}.{name(fqn)}.{item}"
+            inverse[new] = k
+            out[new] = v
+        return out, inverse
+    renamed = {
+        "state": {name(f): s for f, s in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [name(p) for p in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+    return renamed, inverse
+
+
+def _unspell(loaded: Any, osd: Any, inverse: dict[str, str]) -> Any:
+    """The loaded optimizer state dict back in the live names torch expects."""
+    if "state" not in loaded or "param_groups" not in loaded:  # flattened
+        return {inverse.get(k, k): v for k, v in loaded.items()}
+    return {
+        "state": {inverse.get(f, f): s for f, s in loaded["state"].items()},
+        # Hyperparameters as loaded; params as the live groups list them (same order).
+        "param_groups": [
+            {**g, "params": list(live["params"])}
+            for g, live in zip(loaded["param_groups"], osd["param_groups"])
+        ],
+    }
+
+
+def _read_full(model: Any, optimizer: Any, info: CheckpointInfo) -> tuple[dict, dict | None]:
     """The full model (and optimizer) state from a full checkpoint, on the CPU; local I/O only."""
-    from fsdpcheck.live import live_state_dicts
-    from fsdpcheck.sources import open_source
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    source = open_source(path)
-    classified = keymod.classify(source.entries())
-    live_model, _ = live_state_dicts(model, None)
-    prefix = keymod.best_prefix(list(live_model), list(classified.model))
-    by_name = {name: e.key for name, e in classified.model.items()}
-    full: dict[str, torch.Tensor] = {}
-    for fqn in live_model:
-        ckpt = by_name.get(keymod.map_with(prefix, fqn))
-        if ckpt is not None:
-            (full[fqn],) = source.read([_whole(source, ckpt)], torch.device("cpu"))
-    osd = None
-    if optimizer is not None and classified.state:
-        osd = _full_optimizer_state(source, classified, optimizer, model)
+    source = open_source(info.path)
+    try:
+        keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        canon = model_canonicalizer(model)
+        full: dict[str, torch.Tensor] = {}
+        for fqn in get_model_state_dict(model):
+            r = keys.model.get(canon(fqn))
+            if r is not None and r.entry.is_tensor:
+                (full[fqn],) = source.read([_whole(r.entry)], torch.device("cpu"))
+        osd = None
+        if optimizer is not None and keys.state:
+            osd = _full_optimizer_state(source, keys, optimizer, model, canon)
+    finally:
+        source.close()
     return full, osd
 
 
@@ -328,95 +497,46 @@ def _apply_full(model: Any, optimizer: Any, full: dict, osd: dict | None) -> Non
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, cast(Any, full), options=options)
     if osd is not None:
-        set_optimizer_state_dict(model, optimizer, osd, options=options)
+        optimizers = inner_optimizers(optimizer)
+        opt: Any = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
+        set_optimizer_state_dict(model, opt, osd, options=options)
 
 
-def _whole(source: Any, key: str) -> Any:
-    from fsdpcheck.sources import Region
-
-    shape = source.entries()[key].shape
-    return Region(key, (0,) * len(shape), tuple(shape))
+def _whole(entry: Any) -> Region:
+    return Region(entry.key, (0,) * len(entry.shape), tuple(entry.shape))
 
 
-def _full_optimizer_state(source: Any, classified: Any, optimizer: Any, model: Any) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    live: Any = get_optimizer_state_dict(model, optimizer)  # a nested dict of torch's ValueType
-    live_fqns = [str(p) for g in live["param_groups"] for p in g["params"]]
-    ckpt_fqns = sorted({f for f, _ in classified.state})
-    if ckpt_fqns and all(f.isdigit() for f in ckpt_fqns):  # a raw optimizer.state_dict()
-        ids = [str(p) for g in sorted(classified.groups) for p in _params(source, classified, g)]
-        to_live = dict(zip(ids, live_fqns))
-    else:
-        prefix = keymod.best_prefix(live_fqns, ckpt_fqns)
-        to_live = {keymod.map_with(prefix, f): f for f in live_fqns}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for (ck, name), e in classified.state.items():
-        fqn = to_live.get(ck)
-        if fqn is not None and e.is_tensor:
-            (state.setdefault(fqn, {})[name],) = source.read(
-                [_whole(source, e.key)], torch.device("cpu")
-            )
+def _full_optimizer_state(
+    source: Source, keys: matching.CheckpointKeys, optimizer: Any, model: Any, canon: Any
+) -> dict:
+    """The checkpoint's optimizer state keyed by the live FQNs (torch's full-state form)."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
     groups = []
-    for g in live["param_groups"]:
-        groups.append(dict(g))  # hyperparameters as the live optimizer has them
+    for opt in inner_optimizers(optimizer):
+        for g in opt.param_groups:
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [first[id(p)] for p in g["params"]],
+                }
+            )
+    live_order = [p for g in groups for p in g["params"]]
+    to_live: dict[str, str] = {}
+    if keys.id_keyed:
+        params = {g: hp["params"].key for g, hp in keys.groups.items() if "params" in hp}
+        saved = source.read_objects(list(params.values()))
+        ids = [str(p) for g in sorted(params, key=lambda g: (len(g), g)) for p in saved[params[g]]]
+        to_live = dict(zip(ids, live_order))
+    else:
+        to_live = {canon(f): f for f in live_order}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for (who, item), r in keys.state.items():
+        fqn = to_live.get(who)
+        if fqn is not None and r.entry.is_tensor:
+            (state.setdefault(fqn, {})[item],) = source.read([_whole(r.entry)], torch.device("cpu"))
     return {"state": state, "param_groups": groups}
 
 
-def _params(source: Any, classified: Any, group: int) -> list:
-    entry = classified.groups[group].get("params")
-    return [] if entry is None else list(source.read_object(entry.key))
-
-
-# -------------------------------------------------------------------------------------------
-# Sentinels: elements a load never wrote.
-_SENTINEL_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
-    torch.float64: (torch.int64, 0x7FF80000BAD1BAD1),
-    torch.float32: (torch.int32, 0x7FC0BAD1),
-    torch.bfloat16: (torch.int16, 0x7FBA),
-    torch.float16: (torch.int16, 0x7EBA),
-    torch.float8_e4m3fn: (torch.uint8, 0x7F),
-    torch.float8_e5m2: (torch.uint8, 0x7E),
-    torch.int64: (torch.int64, -(2**63)),
-    torch.int32: (torch.int32, -(2**31)),
-    torch.int16: (torch.int16, -(2**15)),
-    torch.int8: (torch.int8, -(2**7)),
-    torch.uint8: (torch.uint8, 0xFF),
-}
-
-
-def _fill_sentinel(model: Any, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
-    """Fills every local destination with its dtype's sentinel; the filled tensors by key."""
-    marked = []
-    for key, value in sorted(flat_live(model, optimizer).items()):
-        for piece in local_layout(value).pieces:
-            t = piece.tensor
-            if t.dtype in _SENTINEL_BITS and t.numel() > 0:
-                view_dtype, bits = _SENTINEL_BITS[t.dtype]
-                with torch.no_grad():
-                    t.view(view_dtype).fill_(bits)
-                marked.append((key, t))
-    return marked
-
-
-def _unwritten(marked: list[tuple[str, torch.Tensor]], comm: Comm) -> list[Finding]:
-    """Findings for keys with elements that still hold the sentinel (summed over ranks)."""
-    local: dict[str, int] = {}
-    for key, t in marked:
-        view_dtype, bits = _SENTINEL_BITS[t.dtype]
-        n = int((t.view(view_dtype) == torch.tensor(bits, dtype=view_dtype)).sum())
-        if n:
-            local[key] = local.get(key, 0) + n
-    counts: dict[str, int] = {}
-    for rank_counts in comm.all_gather_object(local):
-        for key, n in rank_counts.items():
-            counts[key] = counts.get(key, 0) + n
-    return [
-        Finding(
-            key,
-            "missing",
-            f"{n} element(s) were never written by the load (they still hold the sentinel)",
-            mismatched=n,
-        )
-        for key, n in sorted(counts.items())
-    ]
+__all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "load", "read_manifest", "save"]

@@ -2,13 +2,16 @@
 
 Examples:
     fsdpcheck demo                          # the embedded demo (4 CPU ranks): every fault caught
-    fsdpcheck inspect ckpt/                 # format, keys, shapes, dtypes, chunks, coverage
+    fsdpcheck inspect ckpt/ --show-mapping  # layout, how keys map, shapes, chunks, coverage
     fsdpcheck compare ckpt/ model.safetensors --rtol 1e-3   # a conversion against its source
+    fsdpcheck compare step-10/ hf/ --ignore 'optim.*'       # training checkpoint vs model only
     fsdpcheck fingerprint ckpt/ --json      # Fingerprint v1 of every tensor, offline
     fsdpcheck audit ckpt/ --deep            # chunks tile every tensor, files whole, manifest
     python -m fsdpcheck audit ckpt/         # the same, without the console script
 
-Exit codes: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input.
+Exit codes: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input. Errors are
+one line on stderr (--debug adds the traceback; the exit code stays the same); with --json,
+stdout is valid JSON in every case.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -45,14 +51,44 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return args.run(args)
+        return int(args.run(args))
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:
-        if args.debug:
+    except BrokenPipeError:
+        _quiet_stdout()  # `fsdpcheck ... | head`: the reader left; not an error
+        return EXIT_OK
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
             raise
-        print(f"fsdpcheck: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        message = _one_line(exc)
+        print(f"fsdpcheck {args.command}: {message}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"ok": False, "error": message, "exit_code": EXIT_USAGE}))
         return EXIT_USAGE
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error in fsdpcheck's words: its message's first line, without colour codes."""
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    text = "".join(ch for ch in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text) if ch.isprintable())
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    known = (OSError, ValueError, TypeError, LookupError)
+    prefix = "" if isinstance(exc, known) else f"{type(exc).__name__}: "
+    if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:
+        text = f"{exc.filename}: {text}"
+    return prefix + (text or type(exc).__name__) + (" ..." if len(lines) > 1 else "")
+
+
+def _quiet_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -65,29 +101,43 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    common.add_argument("--debug", action="store_true", help="also show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("demo", parents=[common], help="run the embedded demo")
-    p.add_argument("--ranks", type=int, default=4, help="ranks to spawn (even, default 4)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks to spawn (default 4)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(run=_demo)
 
     p = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds")
     p.add_argument("path")
+    p.add_argument(
+        "--show-mapping",
+        action="store_true",
+        help="list every tensor's checkpoint key, canonical name and role",
+    )
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser("compare", parents=[common], help="compare two checkpoints, any formats")
+    p = sub.add_parser("compare", parents=[common], help="compare two checkpoints, any layouts")
     p.add_argument("actual")
     p.add_argument("expected")
-    p.add_argument("--rtol", type=float, default=None)
-    p.add_argument("--atol", type=float, default=None)
+    p.add_argument("--rtol", type=_tolerance, default=None)
+    p.add_argument("--atol", type=_tolerance, default=None)
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="exclude names or keys matching this fnmatch pattern (repeatable)",
+    )
+    p.add_argument("--show-mapping", action="store_true", help="print how tensors were paired")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--memory-budget", type=_size, default=1 << 30, help="bytes, e.g. 2G, 512M")
     p.set_defaults(run=_compare)
 
     p = sub.add_parser("fingerprint", parents=[common], help="Fingerprint v1 of every tensor")
     p.add_argument("path")
+    p.add_argument("--ignore", action="append", default=[], metavar="PATTERN")
     p.add_argument("--memory-budget", type=_size, default=1 << 30)
     p.set_defaults(run=_fingerprint)
 
@@ -105,15 +155,32 @@ def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1G, 512M)") from None
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (e.g. 1G, 512M)")
+    return int(value)
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a tolerance >= 0: {text!r}")
+    return value
 
 
 def _emit_report(args: argparse.Namespace, report: Any) -> int:
-    print(report.to_json(indent=1) if args.json else str(report))
+    if args.json:
+        print(report.to_json(indent=1))
+    else:
+        print(str(report))
+        if getattr(args, "show_mapping", False) and report.mapping:
+            print("mapping:")
+            print(report.mapping_table())
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
 
@@ -125,7 +192,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from fsdpcheck import build_info
+    from fsdpcheck.kernels import build_info
 
     print(json.dumps(build_info(), indent=2))
     return EXIT_OK
@@ -138,31 +205,37 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _fingerprint(args: argparse.Namespace) -> int:
-    from fsdpcheck.fingerprint import fingerprint_checkpoint
+    from fsdpcheck.fingerprints import checkpoint_fingerprints
 
-    fps = fingerprint_checkpoint(args.path, memory_budget=args.memory_budget)
+    fps, notes = checkpoint_fingerprints(
+        args.path, ignore=args.ignore, memory_budget=args.memory_budget
+    )
     if args.json:
         print(json.dumps({k: f"{v:#018x}" for k, v in fps.items()}, indent=1))
     else:
         width = max((len(k) for k in fps), default=0)
         for k, v in fps.items():
             print(f"{k:{width}s}  {v:#018x}")
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     return EXIT_OK
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from fsdpcheck.ckpt_compare import compare_checkpoints
+    from fsdpcheck.comparison import compare_checkpoints
 
+    bar = sys.stderr.isatty() and not args.json
     report = compare_checkpoints(
         args.actual,
         args.expected,
         rtol=args.rtol,
         atol=args.atol,
+        ignore=args.ignore,
         device=args.device,
         memory_budget=args.memory_budget,
-        progress=_progress_bar() if sys.stderr.isatty() and not args.json else None,
+        progress=_progress_bar() if bar else None,
     )
-    if sys.stderr.isatty() and not args.json:
+    if bar:
         print(file=sys.stderr)
     return _emit_report(args, report)
 
@@ -171,91 +244,62 @@ def _progress_bar() -> Callable[[int, int], None]:
     def show(done: int, total: int) -> None:
         pct = 100.0 * done / total if total else 100.0
         bar = "#" * int(pct / 4)
-        print(f"\r  [{bar:25s}] {pct:5.1f}%  {done / 1e9:.2f} / {total / 1e9:.2f} GB",
-              end="", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"\r  [{bar:25s}] {pct:5.1f}%  {done / 1e9:.2f} / {total / 1e9:.2f} GB",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return show
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from fsdpcheck.inspection import inspect_checkpoint
+
     info = inspect_checkpoint(args.path)
     if args.json:
         print(json.dumps(info, indent=1))
         return EXIT_OK
     print(f"{args.path}: {info['format']}")
+    print(f"layout: {info['layout']} ({info['kind']})")
     m = info["manifest"]
     if m:
-        print(f"  manifest: format v{m['format_version']}, saved on {m['world_size']} rank(s), "
-              f"torch {m['torch']}, fsdpcheck {m['fsdpcheck']}")  # fmt: skip
+        print(
+            f"  manifest: format v{m['format_version']}, saved on {m['world_size']} rank(s), "
+            f"torch {m['torch']}, fsdpcheck {m['fsdpcheck']}"
+        )
     else:
         print("  manifest: none (not saved with fsdpcheck.save)")
-    print(f"  {len(info['tensors'])} tensors, {info['elements']:,} elements, "
-          f"{info['bytes'] / 1e6:,.1f} MB; optimizer state for {info['optimizer_params']} "
-          f"parameter(s), {info['param_groups']} param group(s)")  # fmt: skip
-    width = max((len(t["key"]) for t in info["tensors"]), default=3)
+    ids = " (keyed by integer ids)" if info["optimizer_ids"] else ""
+    print(
+        f"  {len(info['tensors'])} tensors, {info['elements']:,} elements, "
+        f"{info['bytes'] / 1e6:,.1f} MB: {info['model_tensors']} model tensor(s), optimizer "
+        f"state for {info['optimizer_params']} parameter(s){ids} "
+        f"({info['optimizer_tensors']} tensors), {info['param_groups']} param group(s)"
+    )
+    if info["other"]:
+        shown = ", ".join(info["other"][:8]) + (", ..." if len(info["other"]) > 8 else "")
+        print(f"  {len(info['other'])} training-state entries (not model/optimizer): {shown}")
+    for n in info["notes"]:
+        print(f"  note: {n}")
+    for p in info["problems"]:
+        print(f"  [{p['kind']}] {p['key']}: {p['message']}")
+    tensors = info["tensors"]
+    if args.show_mapping:
+        width = max((len(t["key"]) for t in tensors), default=3)
+        print(f"  {'checkpoint key':{width}s}  {'role':6s}  name")
+        for t in tensors:
+            print(f"  {t['key']:{width}s}  {t['role']:6s}  {t['name']}")
+        return EXIT_OK
+    width = max((len(t["key"]) for t in tensors), default=3)
     print(f"  {'key':{width}s}  {'shape':>18s}  {'dtype':9s}  {'chunks':>6s}  coverage")
-    for t in info["tensors"]:
-        print(f"  {t['key']:{width}s}  {tuple(t['shape'])!s:>18s}  {t['dtype']:9s}  "
-              f"{t['chunks']:6d}  {t['coverage']}")  # fmt: skip
+    for t in tensors:
+        print(
+            f"  {t['key']:{width}s}  {tuple(t['shape'])!s:>18s}  {t['dtype']:9s}  "
+            f"{t['chunks']:6d}  {t['coverage']}"
+        )
     return EXIT_OK
-
-
-def inspect_checkpoint(path: str) -> dict[str, Any]:
-    """What a checkpoint holds: format, tensors (shape, dtype, chunks, coverage), manifest."""
-    from pathlib import Path
-
-    from fsdpcheck.audit import tiling_problems
-    from fsdpcheck.checkpoint import detect_kind, read_manifest
-    from fsdpcheck.keys import classify
-    from fsdpcheck.sources import open_source
-    from fsdpcheck.sources.dcp import is_dcp_dir
-
-    p = Path(path)
-    kind, what = detect_kind(p)
-    dirs = [p] if is_dcp_dir(p) else [q for q in sorted(p.glob("*")) if is_dcp_dir(q)]
-    sources = [(d.name + "/" if d != p else "", open_source(d)) for d in dirs] or [
-        ("", open_source(p))
-    ]
-    tensors, state_params, groups = [], set(), 0
-    for prefix, src in sources:
-        chunks_of = getattr(src, "chunks", None)
-        c = classify(src.entries())
-        state_params |= {f for f, _ in c.state}
-        groups += len(c.groups)
-        for key, e in src.entries().items():
-            if not e.is_tensor:
-                continue
-            chunks = chunks_of(key) if chunks_of else [((0,) * len(e.shape), e.shape)]
-            nonempty = [b for b in chunks if all(s > 0 for s in b[1]) or not e.shape]
-            problems = tiling_problems(e.shape, nonempty)
-            n = math.prod(e.shape)
-            tensors.append(
-                {
-                    "key": prefix + key,
-                    "shape": list(e.shape),
-                    "dtype": str(e.dtype).removeprefix("torch."),
-                    "chunks": len(chunks),
-                    "coverage": "complete" if not problems else "; ".join(problems),
-                    "numel": n,
-                    "bytes": n * (e.dtype.itemsize if e.dtype else 0),
-                }
-            )
-    manifest = None
-    for d in dirs:
-        manifest = manifest or read_manifest(d)
-    return {
-        "path": str(p),
-        "format": what,
-        "kind": kind,
-        "tensors": tensors,
-        "elements": sum(t["numel"] for t in tensors),
-        "bytes": sum(t["bytes"] for t in tensors),
-        "optimizer_params": len(state_params),
-        "param_groups": groups,
-        "manifest": None
-        if manifest is None
-        else {k: manifest[k] for k in ("format_version", "world_size", "torch", "fsdpcheck")},
-    }
 
 
 if __name__ == "__main__":

@@ -14,8 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpcheck.box import Box, ravel
+from fsdpcheck.kernels import TensorDiff
+from fsdpcheck.manifest import ManifestError
+from fsdpcheck.report import describe_error
+from fsdpcheck.sources.base import CheckpointError, CoverageError
+
 INT64_MAX = (1 << 63) - 1
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1  # Fingerprint v1 arithmetic is modulo 2**64
 # Columns of the summed counts.
 COUNTS = ("numel", "mismatched", "nan_a", "nan_e", "inf_a", "inf_e", "zeros", "errors", "holders")
 
@@ -42,10 +48,36 @@ class KeyStats:
     replica_fp: int | None = None
     replica_box: int = -1
 
+    def add(self, d: TensorDiff, box: Box) -> None:
+        """Adds one comparison result (maxima by global linear index, ties to the smallest)."""
+        self.numel += d.numel
+        self.mismatched += d.mismatched
+        self.nan_a += d.nan_actual
+        self.nan_e += d.nan_expected
+        self.inf_a += d.inf_actual
+        self.inf_e += d.inf_expected
+        self.zeros += d.zeros or 0
+        for attr, value, index in (
+            ("abs", d.max_abs_diff, d.max_abs_index),
+            ("rel", d.max_rel_diff, d.max_rel_index),
+        ):
+            if index is None:
+                continue
+            lin = ravel(index, box.shape)
+            cur, cur_idx = getattr(self, f"max_{attr}"), getattr(self, f"max_{attr}_idx")
+            if value > cur or (value == cur and (cur_idx < 0 or lin < cur_idx)):
+                setattr(self, f"max_{attr}", value)
+                setattr(self, f"max_{attr}_idx", lin)
+        if d.fingerprint_actual is not None:
+            self.replica_fp = ((self.replica_fp or 0) + d.fingerprint_actual) & MASK64
+            if self.replica_box < 0:
+                assert box.offset is not None
+                self.replica_box = ravel(box.offset, box.shape)
+
 
 @dataclass
 class Combined:
-    """One key's statistics over all ranks."""
+    """One key's statistics over all ranks (the counts also as attributes: numel, ...)."""
 
     counts: dict[str, int]
     max_abs: float
@@ -56,6 +88,13 @@ class Combined:
     max_rel_rank: int
     # Ranks grouped by the content of their copy, when copies of the same box disagree.
     replica_groups: list[list[int]] | None = None
+
+    def __getattr__(self, name: str) -> int:
+        # The summed counts read as attributes too (numel, mismatched, ...), as on KeyStats.
+        counts = self.__dict__.get("counts", {})
+        if name in counts:
+            return counts[name]
+        raise AttributeError(name)
 
 
 class Comm:
@@ -91,21 +130,50 @@ def agree(comm: Comm, fn: Callable[[], Any], what: str) -> Any:
     """Runs `fn` on this rank; if it failed on any rank, raises the same error on every rank.
 
     For local steps between collectives: an exception on one rank alone would leave the others
-    waiting in the next collective forever. Costs one small all-gather.
+    waiting in the next collective forever. Costs one small all-gather. The error raised
+    everywhere has the failing rank's exception type where that type is one of a known set
+    (FileNotFoundError, ValueError, fsdpcheck's own errors, ...), else RuntimeError, and a
+    message naming `what`, the rank and the failure.
     """
-    from fsdpcheck.live import describe_error
-
     result, error = None, None
     try:
         result = fn()
-    except Exception as exc:
-        error = describe_error(exc)
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = (_error_type(exc), describe_error(exc))
     failed = [(rank, e) for rank, e in enumerate(comm.all_gather_object(error)) if e]
     if failed:
-        rank, message = failed[0]
+        rank, (kind, message) = failed[0]
         others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise RuntimeError(f"{what} failed on rank {rank}{others}: {message}")
+        where = f" on rank {rank}{others}" if comm.world > 1 else ""
+        raise _ERROR_TYPES.get(kind, RuntimeError)(f"{what} failed{where}: {message}")
     return result
+
+
+# Exception types agree() raises as themselves on every rank (others become RuntimeError).
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    t.__name__: t
+    for t in (
+        FileNotFoundError,
+        FileExistsError,
+        PermissionError,
+        IsADirectoryError,
+        NotADirectoryError,
+        ValueError,
+        TypeError,
+        CheckpointError,
+        CoverageError,
+        ManifestError,
+    )
+}
+
+
+def _error_type(exc: BaseException) -> str:
+    for t in type(exc).__mro__:
+        if t.__name__ in _ERROR_TYPES and _ERROR_TYPES[t.__name__] is t:
+            return t.__name__
+    return "RuntimeError"
 
 
 def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combined], list[Any]]:
@@ -197,5 +265,5 @@ def _disagreeing(copies: list[tuple[int, int] | None]) -> list[list[int]] | None
 
 def _signed(u: int) -> int:
     """A uint64 as the int64 with the same bits."""
-    u &= _MASK64
+    u &= MASK64
     return u - (1 << 64) if u >= 1 << 63 else u

@@ -1,80 +1,208 @@
-"""The live side: a model's (and optimizer's) state as flat keys of DTensors/tensors."""
+"""The live side, read-only: a model's and optimizer's state under canonical names.
+
+Nothing here changes what it reads. In particular the optimizer state is read from the
+optimizers themselves, never through ``torch.distributed.checkpoint.state_dict.
+get_optimizer_state_dict``, which initialises an optimizer that has no state by running a step
+(and so changes every parameter under weight decay).
+"""
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fsdpcheck import keys as keymod
+from fsdpcheck import matching
+
+__all__ = ["LiveState", "flat_live", "inner_optimizers", "live_state", "model_canonicalizer"]
 
 
-def live_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict | None]:
-    """The model state dict (tensor leaves) and the optimizer state dict, FQN-keyed."""
+@dataclass
+class LiveState:
+    """What a rank holds, by canonical name.
+
+    Attributes:
+        model: Canonical FQN -> tensor (DTensor, ShardedTensor or plain), every state-dict
+            tensor including tied duplicates and buffers.
+        tied: Tied duplicate FQN -> the first FQN of the same parameter (named_parameters
+            order): ``lm_head.weight -> model.embed_tokens.weight`` in a tied HF model.
+        requires_grad: Canonical FQN -> requires_grad of each parameter.
+        optim_state: FQN -> state name -> value, or None without an optimizer.
+        param_groups: Each group's hyperparameters, ``params`` as a list of FQNs.
+        problems: (key, kind, message) found while reading (an optimizer without state).
+    """
+
+    model: dict[str, Any] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    optim_state: dict[str, dict[str, Any]] | None = None
+    param_groups: list[dict[str, Any]] | None = None
+    problems: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def tensors(self, *, dedupe_tied: bool = False) -> dict[str, Any]:
+        """Every live tensor by canonical name: model FQNs and ``optim.state.<fqn>.<name>``."""
+        out = {k: v for k, v in self.model.items() if not (dedupe_tied and k in self.tied)}
+        for fqn, states in (self.optim_state or {}).items():
+            for name, value in states.items():
+                if isinstance(value, torch.Tensor):
+                    out[matching.optim_key(fqn, name)] = value
+        return out
+
+
+def live_state(model: Any, optimizer: Any = None) -> LiveState:
+    """Reads a model (nn.Module or state dict) and optimizer under canonical names.
+
+    Args:
+        model: An nn.Module (FSDP2, TP, 2D, HSDP, DDP, FSDP1, plain, wrapped by Lightning,
+            accelerate or torch.compile) or a state dict of DTensors / ShardedTensors / tensors.
+        optimizer: A torch optimizer or a wrapper of one or several (torchtitan
+            OptimizersContainer, Lightning/Fabric optimizers, accelerate AcceleratedOptimizer),
+            or an FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``).
+
+    Returns:
+        The LiveState. Reading changes nothing.
+    """
+    out = LiveState()
     if isinstance(model, torch.nn.Module):
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        msd = dict(get_model_state_dict(model))
-        osd = None
+        raw = {k: v for k, v in get_model_state_dict(model).items() if _is_tensor(v)}
+        canon = model_canonicalizer(model)
+        out.model = {canon(k): v for k, v in raw.items()}
+        first: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            fqn = canon(name)
+            out.requires_grad[fqn] = p.requires_grad
+            if id(p) in first and first[id(p)] != fqn:
+                out.tied[fqn] = first[id(p)]
+            else:
+                first[id(p)] = fqn
         if optimizer is not None:
-            osd = (
-                dict(optimizer)
-                if isinstance(optimizer, Mapping)
-                else get_optimizer_state_dict(model, optimizer)
-            )
-        return tensor_leaves(msd), osd
+            if isinstance(optimizer, Mapping):
+                _state_dict_optimizer(out, optimizer, canon)
+            else:
+                _read_optimizers(out, model, optimizer, {i: n for i, n in first.items()})
+        return out
     if isinstance(model, Mapping):
         if optimizer is not None and not isinstance(optimizer, Mapping):
             raise TypeError(
                 "with a state dict as `model`, pass the optimizer as its state dict "
                 "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, opt))"
             )
-        return tensor_leaves(dict(model)), (dict(optimizer) if optimizer is not None else None)
+        raw = {str(k): v for k, v in model.items() if _is_tensor(v)}
+        canon = matching.canonicalizer(raw)
+        out.model = {canon(k): v for k, v in raw.items()}
+        out.requires_grad = {
+            canon(k): v.requires_grad for k, v in raw.items() if isinstance(v, torch.nn.Parameter)
+        }
+        if optimizer is not None:
+            _state_dict_optimizer(out, optimizer, canon)
+        return out
     raise TypeError(f"model must be an nn.Module or a state dict, not {type(model).__name__}")
 
 
-# Components that wrappers (FSDP1, activation checkpointing, DDP, torch.compile) add to names.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+def model_canonicalizer(model: torch.nn.Module) -> Any:
+    """The canonicaliser of a module's names (parameters and buffers, wrappers included)."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    return matching.canonicalizer(names)
 
 
-def requires_grad_map(model: Any) -> dict[str, bool]:
-    """requires_grad of each parameter by its state-dict FQN (wrapper components removed)."""
-    if not isinstance(model, torch.nn.Module):
-        return {k: v.requires_grad for k, v in model.items() if isinstance(v, torch.nn.Parameter)}
-    out = {}
-    for name, p in model.named_parameters():
-        parts = [x for x in name.split(".") if x not in _WRAPPER_PARTS]
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and parts[0] == "module":
-            parts = parts[1:]
-        out[".".join(parts)] = p.requires_grad
-    return out
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
 
 
-def tensor_leaves(sd: dict[str, Any]) -> dict[str, Any]:
-    """The tensor entries of a state dict."""
-    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a wrapper (or the optimizer itself)."""
+    seen: list[torch.optim.Optimizer] = []
+    todo = [optimizer]
+    while todo:
+        o = todo.pop(0)
+        inner = getattr(o, "optimizers", None)  # torchtitan OptimizersContainer
+        if isinstance(inner, (list, tuple)) and inner and not isinstance(o, Mapping):
+            todo = list(inner) + todo
+            continue
+        for attr in ("_optimizer", "optimizer"):  # Lightning, Fabric, accelerate wrappers
+            wrapped = getattr(o, attr, None)
+            if isinstance(wrapped, torch.optim.Optimizer) and wrapped is not o:
+                todo.insert(0, wrapped)
+                break
+        else:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer (or a wrapper of some), not "
+                    f"{type(o).__name__}"
+                )
+            seen.append(o)
+    return seen
 
 
-def describe_error(exc: BaseException) -> str:
-    """An exception in one line: type, message and where it was raised."""
-    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    loc = f" (at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno})" if where else ""
-    return f"{type(exc).__name__}: {exc}{loc}"
+def _read_optimizers(out: LiveState, model: Any, optimizer: Any, fqn_of: dict[int, str]) -> None:
+    optimizers = inner_optimizers(optimizer)
+    out.optim_state, out.param_groups = {}, []
+    flat = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    if any(id(p) not in fqn_of for p in flat):
+        _torch_optimizer_state(out, model, optimizers, fqn_of)
+        return
+    for oi, opt in enumerate(optimizers):
+        if not opt.state and any(g["params"] for g in opt.param_groups):
+            where = f" {oi}" if len(optimizers) > 1 else ""
+            out.problems.append(
+                (
+                    "optim.state",
+                    "missing",
+                    f"the optimizer{where} has no state (never stepped, or its state was not "
+                    "loaded): there is nothing to verify; fsdpcheck does not initialise it",
+                )
+            )
+        for g in opt.param_groups:
+            params = [fqn_of[id(p)] for p in g["params"]]
+            out.param_groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": params}
+            )
+            for p, fqn in zip(g["params"], params):
+                st = opt.state.get(p)
+                if st:
+                    out.optim_state[fqn] = dict(st)
 
 
-def flat_live(
-    model: torch.nn.Module | Mapping[str, Any], optimizer: Any = None
-) -> dict[str, torch.Tensor]:
-    """Every live tensor by its key: model FQNs and ``optim.state.<fqn>.<name>``."""
-    msd, osd = live_state_dicts(model, optimizer)
-    out: dict[str, torch.Tensor] = dict(msd)
-    for fqn, states in (osd or {}).get("state", {}).items():
-        for name, value in states.items():
-            if isinstance(value, torch.Tensor):
-                out[keymod.optim_key(str(fqn), name)] = value
-    return out
+def _torch_optimizer_state(
+    out: LiveState, model: Any, optimizers: list[torch.optim.Optimizer], fqn_of: dict[int, str]
+) -> None:
+    """FSDP1 flat parameters: only torch knows the mapping; ask it only when that is safe."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if any(not o.state for o in optimizers):
+        out.problems.append(
+            (
+                "optim.state",
+                "missing",
+                "the optimizer has no state (never stepped, or not loaded): there is nothing to "
+                "verify; fsdpcheck does not initialise it",
+            )
+        )
+        return
+    del fqn_of
+    osd: Any = get_optimizer_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0])
+    canon = matching.canonicalizer(n for n, _ in model.named_parameters(remove_duplicate=False))
+    _state_dict_optimizer(out, osd, canon)
+
+
+def _state_dict_optimizer(out: LiveState, osd: Mapping[str, Any], canon: Any) -> None:
+    out.optim_state = {
+        canon(str(fqn)): dict(states) for fqn, states in dict(osd.get("state", {})).items()
+    }
+    out.param_groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [canon(str(p)) for p in g.get("params", [])],
+        }
+        for g in osd.get("param_groups", [])
+    ]
+
+
+def flat_live(model: Any, optimizer: Any = None) -> dict[str, torch.Tensor]:
+    """Every live tensor by canonical name (model FQNs and ``optim.state.<fqn>.<name>``)."""
+    return live_state(model, optimizer).tensors()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,10 +16,47 @@ KINDS = (
     "dtype",
     "requires_grad",
     "layout",
+    "gap",
+    "skipped",
     "value",
     "replica",
     "error",
 )
+_ORDER = {k: i for i, k in enumerate(KINDS)}
+# Statuses of a mapping row.
+STATUSES = ("compared", "tied", "missing", "unexpected", "skipped", "ignored")
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception in one line: type, message (its first line) and where it was raised."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    loc = f" (at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno})" if where else ""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first}{' ...' if len(text) > 1 else ''}{loc}"
+
+
+@dataclass
+class MappingRow:
+    """How one tensor was matched.
+
+    Attributes:
+        a: Its canonical name on side A (the live model, or ``actual``), None if only on B.
+        b: The checkpoint's own key on side B (``expected``), None if only on A.
+        status: "compared", "tied" (checked against the key of the parameter it is tied to),
+            "missing" (only on B... or required by A and absent), "unexpected", "skipped" (not
+            comparable: the reason says why) or "ignored" (excluded by the user).
+        reason: Why, for every status but "compared".
+    """
+
+    a: str | None
+    b: str | None
+    status: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown mapping status {self.status!r}")
 
 
 class VerificationError(AssertionError):
@@ -31,8 +70,10 @@ class Finding:
     Attributes:
         key: The live key (model FQN, or ``optim.state.<fqn>.<name>`` /
             ``optim.param_groups.<i>.<name>`` for the optimizer).
-        kind: One of "value", "missing", "unexpected", "shape", "dtype", "requires_grad",
-            "layout", "replica" (copies that should agree do not) or "error".
+        kind: One of "missing", "unexpected", "shape", "dtype", "requires_grad", "layout",
+            "gap" (a region no saved chunk covers), "skipped" (a tensor that could not be
+            compared: the message says why), "value", "replica" (copies that should agree do
+            not) or "error".
         message: What is wrong and what to do, in words.
         mismatched: Mismatched elements (value findings).
         numel: Elements compared for this key, over all ranks.
@@ -86,6 +127,79 @@ class Finding:
             )
         return "\n".join(lines)
 
+    @classmethod
+    def value(
+        cls,
+        key: str,
+        stats: Any,
+        shape: Sequence[int],
+        *,
+        rtol: float,
+        atol: float,
+        with_ranks: bool = True,
+    ) -> Finding:
+        """A value finding from combined statistics (``collectives.Combined`` or ``KeyStats``).
+
+        Args:
+            key: The key.
+            stats: numel, mismatched, zeros, nan_a, nan_e, max_abs(_idx, _rank), max_rel(...).
+            shape: The global shape (indices are unravelled in it).
+            rtol: Relative tolerance used.
+            atol: Absolute tolerance used.
+            with_ranks: Whether the maxima carry the rank that holds them.
+        """
+        from fsdpcheck.box import unravel
+
+        hints = []
+        if stats.zeros == stats.numel:
+            hints.append("every element on the checked side is zero (zeroed, or never loaded?)")
+        if stats.nan_a != stats.nan_e:
+            hints.append(f"NaNs: {stats.nan_a} on the checked side, {stats.nan_e} in the reference")
+        has_abs, has_rel = stats.max_abs_idx >= 0, stats.max_rel_idx >= 0
+        return cls(
+            key,
+            "value",
+            "; ".join(hints),
+            mismatched=stats.mismatched,
+            numel=stats.numel,
+            max_abs_diff=stats.max_abs if has_abs else None,
+            max_abs_index=unravel(stats.max_abs_idx, tuple(shape)) if has_abs else None,
+            rank=getattr(stats, "max_abs_rank", None) if has_abs and with_ranks else None,
+            max_rel_diff=stats.max_rel if has_rel else None,
+            max_rel_index=unravel(stats.max_rel_idx, tuple(shape)) if has_rel else None,
+            rel_rank=getattr(stats, "max_rel_rank", None) if has_rel and with_ranks else None,
+            rtol=rtol,
+            atol=atol,
+        )
+
+    @classmethod
+    def replica(cls, key: str, groups: Sequence[Sequence[int]]) -> Finding:
+        """Copies of the same elements differ: `groups` are ranks by content, largest first."""
+        majority, *others = [list(g) for g in groups]
+        return cls(
+            key,
+            "replica",
+            f"copies of the same elements differ across ranks: ranks {majority} hold one value, "
+            + "; ".join(f"ranks {g}" for g in others)
+            + " another",
+            rank=others[0][0],
+            ranks=sorted(r for g in groups for r in g),
+        )
+
+
+def normalized(findings: Sequence[Finding]) -> list[Finding]:
+    """One finding per (key, kind, message), with every rank it happened on; key, then KINDS."""
+    merged: dict[tuple[str, str, str], Finding] = {}
+    for f in findings:
+        k = (f.key, f.kind, f.message)
+        if k in merged and f.kind != "value":
+            merged[k].ranks = sorted(set(merged[k].ranks) | set(f.ranks))
+            continue
+        if k in merged:  # two value findings for one key cannot happen; keep both if they do
+            k = (*k[:2], f"{f.message}\0{len(merged)}")
+        merged[k] = f
+    return sorted(merged.values(), key=lambda f: (f.key, _ORDER.get(f.kind, 99)))
+
 
 @dataclass
 class Report:
@@ -95,7 +209,12 @@ class Report:
         findings: Everything wrong, sorted by key then kind.
         reference: What the live state was checked against.
         world_size: Ranks that took part.
-        keys_checked: Live keys checked.
+        keys_checked: Keys compared.
+        keys_a: Tensors on side A (the live model and optimizer; ``actual`` for compare).
+        keys_b: Tensors on side B (the checkpoint; ``expected`` for compare).
+        side_a: What side A is, for the summary ("live", "actual", ...).
+        side_b: What side B is ("checkpoint", "expected", "manifest", ...).
+        mapping: How every tensor of both sides was matched (MappingRow), in key order.
         elements_checked: Elements compared, over all ranks.
         bytes_read: Reference bytes read, over all ranks.
         seconds: Wall time of the slowest rank.
@@ -106,6 +225,11 @@ class Report:
     reference: str = ""
     world_size: int = 1
     keys_checked: int = 0
+    keys_a: int | None = None
+    keys_b: int | None = None
+    side_a: str = "live"
+    side_b: str = "checkpoint"
+    mapping: list[MappingRow] = field(default_factory=list)
     elements_checked: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
@@ -130,10 +254,60 @@ class Report:
         """``to_dict()`` as JSON."""
         return json.dumps(self.to_dict(), **kwargs)
 
+    def __post_init__(self) -> None:
+        self.findings = normalized(self.findings)
+
+    def skipped(self) -> list[MappingRow]:
+        """Rows of tensors that were not compared and are not findings' keys (with reasons)."""
+        return [r for r in self.mapping if r.status in ("skipped", "ignored")]
+
+    def counts(self) -> str:
+        """The counts line: N keys on A, M on B, K compared, S skipped (reasons); or ""."""
+        if self.keys_a is None and self.keys_b is None:
+            return ""
+        skipped = [r for r in self.mapping if r.status in ("skipped", "ignored")]
+        reasons: dict[str, int] = {}
+        for r in skipped:
+            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+        return (
+            f"{self.keys_a} keys on {self.side_a}, {self.keys_b} on {self.side_b}, "
+            f"{self.keys_checked} compared, {len(skipped)} skipped" + (f" ({why})" if why else "")
+        )
+
+    def merge(self, other: Report, key_prefix: str = "") -> None:
+        """Adds another report's findings, counts, mapping and notes to this one."""
+        for f in other.findings:
+            f.key = key_prefix + f.key
+        for r in other.mapping:
+            r.a = key_prefix + r.a if r.a is not None else None
+        self.findings = normalized(self.findings + other.findings)
+        self.mapping += other.mapping
+        self.notes += [key_prefix + n for n in other.notes]
+        self.world_size = max(self.world_size, other.world_size)
+        self.keys_checked += other.keys_checked
+        if other.keys_a is not None:
+            self.keys_a = (self.keys_a or 0) + other.keys_a
+        if other.keys_b is not None:
+            self.keys_b = (self.keys_b or 0) + other.keys_b
+        self.elements_checked += other.elements_checked
+        self.bytes_read += other.bytes_read
+        self.seconds += other.seconds
+
+    def mapping_table(self) -> str:
+        """The mapping as text, one row per tensor."""
+        width = max((len(r.a or "-") for r in self.mapping), default=1)
+        return "\n".join(
+            f"  {r.a or '-':{width}s}  {r.status:10s}  {r.b or '-'}"
+            + (f"  ({r.reason})" if r.reason else "")
+            for r in self.mapping
+        )
+
     def summary(self) -> str:
         """One line: verdict and what was checked."""
         verdict = "OK" if self.ok else f"FAILED with {len(self.findings)} finding(s)"
-        what = f"{self.keys_checked} keys"
+        counts = self.counts()
+        what = counts if counts else f"{self.keys_checked} keys"
         if self.elements_checked:
             what += f", {self.elements_checked:,} elements"
         if self.world_size > 1:

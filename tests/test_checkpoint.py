@@ -53,16 +53,18 @@ def test_manifest_contents(tmp_path):
     m, opt = small_model()
     manifest = fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
     on_disk = json.loads((tmp_path / "ck" / "fsdpcheck_manifest.json").read_text())
-    assert on_disk == manifest
-    assert manifest["format_version"] == 1 and manifest["kind"] == "sharded"
-    assert manifest["world_size"] == 1 and manifest["torch"] == torch.__version__
-    e = manifest["entries"]["0.weight"]
-    assert e["shape"] == [7, 5] and e["dtype"] == "float32"
-    assert e["checkpoint_key"] == "model.0.weight"
-    assert int(e["fingerprint"], 16) == reference.fingerprint(m[0].weight)
-    assert manifest["entries"]["optim.state.2.bias.step"]["checkpoint_key"] == (
-        "optim.state.2.bias.step"
-    )
+    assert on_disk == manifest.to_json()
+    assert fsdpcheck.read_manifest(tmp_path / "ck") == manifest
+    assert manifest.format_version == 1 and manifest.kind == "sharded"
+    assert manifest.world_size == 1 and manifest.torch == torch.__version__
+    e = manifest.entries["0.weight"]
+    assert e.shape == (7, 5) and e.dtype == "float32"
+    assert e.checkpoint_key == "model.0.weight"
+    assert e.fingerprint == reference.fingerprint(m[0].weight)
+    assert on_disk["entries"]["0.weight"]["fingerprint"] == f"{e.fingerprint:#018x}"
+    assert manifest.entries["optim.state.2.bias.step"].checkpoint_key == ("optim.state.2.bias.step")
+    # Nothing but the checkpoint is left beside it (the save went through a temporary sibling).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
 def test_save_then_load_with_fingerprint_verification(tmp_path):

@@ -44,27 +44,57 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_inspect(ckpts, capsys):
     code, out, _ = run(capsys, "inspect", str(ckpts / "ck"))
     assert code == 0
-    assert "DCP checkpoint directory" in out and "manifest: format v1" in out
+    assert "written by fsdpcheck.save" in out and "manifest: format v1" in out
+    assert "layout: fsdpcheck (sharded)" in out
     assert "model.0.weight" in out and "(7, 5)" in out and "complete" in out
+    code, out, _ = run(capsys, "inspect", str(ckpts / "ck"), "--show-mapping")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert ["model.0.weight", "model", "0.weight"] in rows
+    assert ["optim.state.0.bias.exp_avg", "state", "optim.state.0.bias.exp_avg"] in rows
     code, out, _ = run(capsys, "inspect", str(ckpts / "ck"), "--json")
     info = json.loads(out)
     assert info["kind"] == "sharded" and info["optimizer_params"] == 4
+    assert info["layout"] == "fsdpcheck" and info["model_tensors"] == 4
+    assert info["optimizer_tensors"] == 12 and info["param_groups"] == 1
     assert {t["key"] for t in info["tensors"]} >= {"model.0.weight", "optim.state.0.bias.step"}
     code, out, _ = run(capsys, "inspect", str(ckpts / "good.safetensors"), "--json")
     assert json.loads(out)["kind"] == "full"
 
 
 def test_compare_conversion_against_source(ckpts, capsys):
+    # The training checkpoint's optimizer state has no counterpart in a model-only file: not
+    # OK (nothing disappears silently) unless the user excludes it.
     code, out, _ = run(capsys, "compare", str(ckpts / "good.safetensors"), str(ckpts / "ck"))
+    assert code == 1, out
+    assert out.count("[missing] optim.state.") == 12 and "--ignore 'optim.*'" in out
+    assert "4 keys on actual, 16 on expected, 4 compared, 0 skipped" in out
+    code, out, _ = run(
+        capsys,
+        "compare",
+        str(ckpts / "good.safetensors"),
+        str(ckpts / "ck"),
+        "--ignore",
+        "optim.*",
+        "--show-mapping",
+    )
     assert code == 0, out
-    assert "optimizer tensors; not compared" in out
+    assert (
+        "4 keys on actual, 16 on expected, 4 compared, 12 skipped (12 excluded by the user)" in out
+    )
+    assert "0.weight" in out and "model.0.weight" in out and "ignored" in out
     code, out, _ = run(capsys, "compare", str(ckpts / "bad.safetensors"), str(ckpts / "ck"))
     assert code == 1
     assert "Mismatched elements: 1 / 35 (2.9%)" in out and "at index (2, 3)" in out
     code, out, _ = run(
-        capsys, "compare", str(ckpts / "bad.safetensors"), str(ckpts / "full.pt"), "--json",
-        "--memory-budget", "64",
-    )  # fmt: skip
+        capsys,
+        "compare",
+        str(ckpts / "bad.safetensors"),
+        str(ckpts / "full.pt"),
+        "--json",
+        "--memory-budget",
+        "64",
+    )
     report = json.loads(out)
     assert code == 1 and report["findings"][0]["max_abs_index"] == [2, 3]
     code, out, _ = run(
@@ -90,6 +120,12 @@ def test_audit_exit_codes(ckpts, capsys, tmp_path):
     broken.write_bytes(b"garbage")
     code, out, _ = run(capsys, "audit", str(broken))
     assert code == 1 and "[error]" in out
+    # Unreadable input is exit 2 in every command, audit included; --json stays valid JSON.
+    for command in ("audit", "inspect", "fingerprint"):
+        code, out, err = run(capsys, command, str(tmp_path / "nope"), "--json")
+        assert code == 2 and json.loads(out)["ok"] is False and err.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    assert run(capsys, "audit", str(tmp_path / "empty"))[0] == 2
 
 
 def test_errors_are_one_line_with_exit_2(capsys, tmp_path):
@@ -98,12 +134,20 @@ def test_errors_are_one_line_with_exit_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["compare", "onlyone"])
     assert e.value.code == 2
-    with pytest.raises(SystemExit) as e:
-        main(["fingerprint", "x", "--memory-budget", "lots"])
-    assert e.value.code == 2
-    with pytest.raises(FileNotFoundError):
-        main(["inspect", str(tmp_path / "nope"), "--debug"])
+    for budget in ("lots", "0", "-1", "infG", "nan"):
+        with pytest.raises(SystemExit) as e:
+            main(["fingerprint", "x", "--memory-budget", budget])
+        assert e.value.code == 2
+    # --debug adds the traceback; the exit code stays the same.
+    code, _, err = run(capsys, "inspect", str(tmp_path / "nope"), "--debug")
+    assert code == 2 and "Traceback" in err
     assert main([]) == 2
+
+
+def test_closed_pipe_is_not_an_error(ckpts):
+    cmd = f"{sys.executable} -m fsdpcheck inspect {ckpts / 'ck'} | head -c 10"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
 
 
 def test_python_dash_m_works(ckpts):

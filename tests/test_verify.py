@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import fsdpcheck
-from fsdpcheck import keys
+from fsdpcheck import matching
 from fsdpcheck.sources import open_source
 from fsdpcheck.sources.base import Entry, Region
 from tests.models import small_model
@@ -59,6 +59,13 @@ def test_missing_and_unexpected_keys():
     ref["3.weight"] = torch.zeros(2)
     r = fsdpcheck.verify(m, ref)
     assert kinds(r) == [("0.bias", "missing"), ("3.weight", "unexpected")]
+    assert r.keys_a == 4 and r.keys_b == 4 and r.keys_checked == 3
+    assert "4 keys on live, 4 on checkpoint, 3 compared, 0 skipped" in r.summary()
+    rows = {(row.a, row.b): row.status for row in r.mapping}
+    assert rows[("0.bias", None)] == "missing" and rows[(None, "3.weight")] == "unexpected"
+    # Excluded by the user: listed as ignored, and the verdict is OK.
+    r = fsdpcheck.verify(m, ref, ignore=["0.bias", "3.*"])
+    assert r.ok and r.keys_checked == 3 and len(r.skipped()) == 2
 
 
 @pytest.mark.parametrize("prefix", ["model.", "module.", "_orig_mod.", "model.module."])
@@ -108,6 +115,7 @@ def test_shape_difference():
     ref["0.weight"] = torch.zeros(7, 6)
     r = fsdpcheck.verify(m, ref)
     assert kinds(r) == [("0.weight", "shape")]
+    assert r.keys_checked == 3  # matched but not compared
 
 
 def test_requires_grad_against_module_reference():
@@ -135,7 +143,7 @@ def test_optimizer_against_dcp_and_torch_save(tmp_path):
         ("optim.param_groups.0.lr", "value"),
         ("optim.state.0.weight.exp_avg", "value"),
     ]
-    assert "every live element is zero" in r.findings[1].message
+    assert "every element on the checked side is zero" in r.findings[1].message
     assert "0.005" in r.findings[0].message
 
 
@@ -144,10 +152,14 @@ def test_optimizer_state_missing_on_live_side(tmp_path):
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     fresh = torch.optim.AdamW(m.parameters(), lr=1e-3)  # no state yet
+    before = fsdpcheck.fingerprint(m)
     r = fsdpcheck.verify(m, tmp_path / "dcp", optimizer=fresh)
-    unexpected = [f for f in r.findings if f.kind == "unexpected"]
-    assert len(unexpected) == 12
-    assert "optimizer has no state" in unexpected[0].message
+    # Read-only: torch would initialise an empty optimizer by stepping it; verify never does.
+    assert not fresh.state and fsdpcheck.fingerprint(m) == before
+    missing = [f for f in r.findings if f.kind == "missing"]
+    assert len(missing) == 13
+    assert any("optimizer has no state" in f.message for f in missing)
+    assert all("holds none" in f.message for f in missing if f.key != "optim.state")
 
 
 def test_note_when_checkpoint_has_optimizer_state_not_asked_for(tmp_path):
@@ -198,7 +210,7 @@ def test_nan_counts_in_message():
     ref = {k: v.clone() for k, v in m.state_dict().items()}
     ref["2.bias"][0] = float("nan")
     (f,) = fsdpcheck.verify(m, ref).findings
-    assert "NaNs: 0 in the model, 1 in the checkpoint" in f.message
+    assert "NaNs: 0 on the checked side, 1 in the reference" in f.message
 
 
 def test_classify_flat_and_nested_keys():
@@ -211,11 +223,12 @@ def test_classify_flat_and_nested_keys():
         "n": Entry("n", ("optimizer", "state", "3", "step"), (), torch.float32),
         "epoch": Entry("epoch", ("epoch",), is_tensor=False),
     }
-    c = keys.classify(e)
+    c = matching.checkpoint_keys(e)
+    # A flat key is one name, dots included: "model." of a flat key is never a container.
     assert list(c.model) == ["model.a.w"]
     assert set(c.state) == {("a.w", "exp_avg"), ("3", "step")}
-    assert list(c.groups[0]) == ["lr"]
-    assert keys.best_prefix(["a.w"], list(c.model)) == ("model.", "")
+    assert list(c.groups["0"]) == ["lr"]
+    assert [r.key for r in c.other] == ["epoch"]
 
 
 def test_out_of_memory_while_reading_is_a_finding():

@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.formats import accelerate_parts
 from fsdpcheck.report import Finding, Report
-from fsdpcheck.sources import accelerate_parts
-from fsdpcheck.verify import verify
+from fsdpcheck.verification import verify
 
 
 def verify_state(
@@ -49,7 +49,6 @@ def verify_state(
         )
         if optimizer is None and len(models) == 1 and optimizers:
             optimizer = optimizers[0]
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps it
         prefix = f"model{i}/" if len(models) > 1 else ""
         if model_path is None:
             combined.findings.append(
@@ -65,25 +64,6 @@ def verify_state(
         elif optimizer is not None:
             combined.notes.append(f"{prefix}no optimizer state saved in {input_dir}")
             optimizer = None
-        report = verify(
-            accelerator.unwrap_model(model) if _is_ddp(model) else model,
-            reference,
-            optimizer=optimizer,
-            **verify_kwargs,
-        )
-        for f in report.findings:
-            f.key = prefix + f.key
-        combined.findings += report.findings
-        combined.notes += [prefix + n for n in report.notes]
-        combined.world_size = report.world_size
-        combined.keys_checked += report.keys_checked
-        combined.elements_checked += report.elements_checked
-        combined.bytes_read += report.bytes_read
-        combined.seconds += report.seconds
+        # Wrappers (DDP, AcceleratedOptimizer) are seen through by verify's key model.
+        combined.merge(verify(model, reference, optimizer=optimizer, **verify_kwargs), prefix)
     return combined
-
-
-def _is_ddp(model: Any) -> bool:
-    import torch
-
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)

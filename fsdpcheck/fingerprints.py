@@ -9,22 +9,24 @@ is the same whatever the world size, mesh, placements or device.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from fsdpcheck import keys as keymod
+from fsdpcheck import matching
 from fsdpcheck.box import Box, ravel
-from fsdpcheck.collectives import Comm
+from fsdpcheck.collectives import MASK64, Comm
 from fsdpcheck.kernels import SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.layout import Layout, local_layout
-from fsdpcheck.live import describe_error, flat_live
-from fsdpcheck.report import Finding, Report
+from fsdpcheck.live import live_state
+from fsdpcheck.manifest import read_manifest
+from fsdpcheck.readplan import row_blocks
+from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, open_source
-
-MASK64 = (1 << 64) - 1
 
 
 class FingerprintError(ValueError):
@@ -41,11 +43,13 @@ class FingerprintResult:
             "layout" findings (values that could not be fingerprinted) and "error" findings.
         layouts: This rank's Layout of every key (global shape, dtype, placements), as the
             pass computed them, for callers that describe the keys too (the save manifest).
+        tied: Tied duplicate name -> the name it is listed under (tied parameters count once).
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     layouts: dict[str, Layout] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
 
 
 def fingerprint(
@@ -58,7 +62,10 @@ def fingerprint(
 
     Collective: every rank of `group` calls it. The same model content gives the same dict on 1
     rank, on N ranks under FSDP2, on a 2D FSDP+TP mesh, and on CUDA. Replicated copies count
-    once (the lowest rank's); use ``check_replicas`` to see whether they agree.
+    once (the lowest rank's); use ``check_replicas`` to see whether they agree. Keys are
+    canonical names (wrapper prefixes removed), and a tied parameter is listed once, under its
+    first name in ``named_parameters()`` order, as Hugging Face's ``save_pretrained`` keeps it.
+    Nothing live is changed (an optimizer's state is read as it is, never initialised).
 
     Args:
         model_or_state_dict: An nn.Module or a state dict of DTensors / ShardedTensors / tensors.
@@ -66,13 +73,13 @@ def fingerprint(
         group: The process group (default: the default group, or none).
 
     Returns:
-        Key -> fingerprint; optimizer entries are keyed ``optim.state.<fqn>.<name>``.
+        Key -> fingerprint, sorted; optimizer entries are keyed ``optim.state.<fqn>.<name>``.
 
     Raises:
         FingerprintError: On every rank, when a value cannot be fingerprinted.
     """
     result = fingerprint_report(model_or_state_dict, optimizer=optimizer, group=group)
-    bad = [f for f in result.findings if f.kind in ("layout", "error")]
+    bad = [f for f in result.findings if f.kind in ("layout", "error", "missing")]
     if bad:
         raise FingerprintError("; ".join(f"{f.key}: {f.message}" for f in bad))
     return result.fingerprints
@@ -110,8 +117,12 @@ def fingerprint_report(
     errors: list[tuple[str, str, str]] = []
     numels: dict[str, int] = {}
     layouts: dict[str, Layout] = {}
+    tied: dict[str, str] = {}
     try:
-        live = flat_live(model_or_state_dict, optimizer)
+        state = live_state(model_or_state_dict, optimizer)
+        tied = state.tied
+        errors += state.problems
+        live = state.tensors(dedupe_tied=True)
         tensors, boxes, owners = [], [], []
         for key in sorted(live):
             lay = layouts[key] = local_layout(live[key], comm.world)
@@ -135,23 +146,43 @@ def fingerprint_report(
     gathered = comm.all_gather_object((rows, errors, numels))
     result = _assemble(gathered)
     result.layouts = layouts
+    result.tied = tied
     return result
 
 
 def _assemble(gathered: list[Any]) -> FingerprintResult:
     result = FingerprintResult()
+    world = len(gathered)
     # key -> box -> fingerprint -> ranks holding that content
     copies: dict[str, dict[int, dict[int, list[int]]]] = {}
     box_numel: dict[tuple[str, int], int] = {}
     numels: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
+    findings: list[Finding] = []
     for rank, (rows, errors, nums) in enumerate(gathered):
-        numels.update(nums)
+        for key, n in nums.items():
+            numels[key] = n
+            holders.setdefault(key, []).append(rank)
         for key, box, numel, fp in rows:
             copies.setdefault(key, {}).setdefault(box, {}).setdefault(fp, []).append(rank)
             box_numel[(key, box)] = numel
         for key, kind, msg in errors:
-            result.findings.append(Finding(key, kind, msg, rank=rank, ranks=[rank]))
+            findings.append(Finding(key, kind, msg, rank=rank, ranks=[rank]))
+    partial = {k for k, r in holders.items() if len(r) != world}
+    for key in sorted(partial):
+        absent = [r for r in range(world) if r not in holders[key]]
+        findings.append(
+            Finding(
+                key,
+                "error",
+                f"only ranks {holders[key]} have this key (ranks {absent} do not): every rank "
+                "must hold the same keys, so it cannot be fingerprinted",
+                ranks=absent,
+            )
+        )
     for key in sorted(copies):
+        if key in partial:
+            continue
         total, covered = 0, 0
         for box in sorted(copies[key]):
             versions = copies[key][box]
@@ -161,20 +192,9 @@ def _assemble(gathered: list[Any]) -> FingerprintResult:
             covered += box_numel[(key, box)]
             if len(versions) > 1:
                 groups = sorted(versions.values(), key=lambda r: (-len(r), r))
-                result.findings.append(
-                    Finding(
-                        key,
-                        "replica",
-                        f"copies of the same elements differ across ranks: ranks {groups[0]} "
-                        "hold one value, "
-                        + "; ".join(f"ranks {g}" for g in groups[1:])
-                        + " another",
-                        rank=groups[1][0],
-                        ranks=sorted(r for g in groups for r in g),
-                    )
-                )
+                findings.append(Finding.replica(key, groups))
         if covered != numels.get(key, covered):
-            result.findings.append(
+            findings.append(
                 Finding(
                     key,
                     "layout",
@@ -185,90 +205,117 @@ def _assemble(gathered: list[Any]) -> FingerprintResult:
             continue
         result.fingerprints[key] = total
     for key, n in numels.items():
-        if n == 0 and key not in result.fingerprints and key not in copies:
+        if n == 0 and key not in result.fingerprints and key not in copies and key not in partial:
             result.fingerprints[key] = 0  # an empty tensor
-    result.findings = _dedupe(result.findings)
+    result.fingerprints = dict(sorted(result.fingerprints.items()))
+    result.findings = normalized(findings)
     return result
 
 
-def _dedupe(findings: list[Finding]) -> list[Finding]:
-    out: dict[tuple[str, str, str], Finding] = {}
-    for f in findings:
-        k = (f.key, f.kind, f.message)
-        if k in out:
-            out[k].ranks = sorted(set(out[k].ranks) | set(f.ranks))
-        else:
-            out[k] = f
-    return sorted(out.values(), key=lambda f: (f.key, f.kind))
-
-
 # -------------------------------------------------------------------------------------------
-def fingerprint_checkpoint(path: Any, *, memory_budget: int = 1 << 30) -> dict[str, int]:
-    """The fingerprints of a checkpoint's tensors, computed offline (no process group).
+def fingerprint_checkpoint(
+    path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
+) -> dict[str, int]:
+    """The fingerprints of a checkpoint's model and optimizer tensors, offline (no process group).
 
     Streams the checkpoint under `memory_budget` bytes: a DCP directory chunk by chunk (each
     chunk hashed at its global offset), a torch.save file or safetensors in row blocks. Keys are
-    named as ``fingerprint`` names them (model FQNs with the checkpoint's container removed,
-    ``optim.state.<fqn>.<name>``), so the same content gives the same numbers.
+    the canonical names ``fingerprint`` gives the same tensors (model FQNs with the checkpoint's
+    containers and wrapper prefixes removed, ``optim.state.<fqn>.<name>``), so the same content
+    gives the same dict. Training state (lr_scheduler, dataloader, train_state) is not included;
+    ``checkpoint_fingerprints`` also says what was left out.
 
     Args:
-        path: A DCP directory, a torch.save file, safetensors (file, index or folder), or an
-            in-memory mapping.
+        path: Any checkpoint ``fsdpcheck.describe_path`` recognises, or an in-memory mapping.
+        ignore: fnmatch patterns of names or checkpoint keys to leave out.
         memory_budget: Bytes of checkpoint data held at once.
 
     Returns:
-        Key -> fingerprint.
+        Canonical name -> fingerprint, sorted by name.
     """
+    return checkpoint_fingerprints(path, ignore=ignore, memory_budget=memory_budget)[0]
+
+
+def checkpoint_fingerprints(
+    path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
+) -> tuple[dict[str, int], list[str]]:
+    """``fingerprint_checkpoint`` and notes naming every tensor it did not fingerprint."""
+    if not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
     source = open_source(path)
-    names = checkpoint_key_names(source)
+    try:
+        problems = source.problems()
+        if problems:
+            key, _, message = problems[0]
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise ValueError(f"{source.description}: {key}: {message}{more}")
+        keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        names: dict[str, str] = {}
+        notes: list[str] = []
+        other = []
+        for r in keys.tensors():
+            if r.role == "other":
+                other.append(r.key)
+            elif matching.is_ignored(ignore, r.name, r.key):
+                notes.append(f"{r.key}: excluded by the user")
+            else:
+                names[r.key] = r.name
+        if other:
+            notes.append(
+                f"{len(other)} training-state tensor(s) not fingerprinted: "
+                + ", ".join(other[:8])
+                + (", ..." if len(other) > 8 else "")
+            )
+        out = _hash_checkpoint(source, names, memory_budget)
+        tied = _manifest_ties(path)
+        for dup, first in tied.items():
+            if dup in out and first in out and out[dup] == out[first]:
+                del out[dup]  # listed once, as ``fingerprint`` lists a tied parameter
+                notes.append(f"{dup} is tied to {first}: listed once")
+    finally:
+        source.close()
+    return dict(sorted(out.items())), notes
+
+
+def _manifest_ties(path: Any) -> dict[str, str]:
+    if not isinstance(path, (str, os.PathLike)):
+        return {}
+    p = Path(path)
+    manifest = read_manifest(p) if p.is_dir() else None
+    return manifest.tied if manifest is not None else {}
+
+
+def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict[str, int]:
+    entries = source.entries()
     out: dict[str, int] = {}
     batch: list[tuple[str, Region]] = []
     held = 0
     for ckpt_key, name in names.items():
-        entry = source.entries()[ckpt_key]
+        entry = entries[ckpt_key]
+        if entry.dtype not in SUPPORTED_DTYPES:
+            raise FingerprintError(f"{ckpt_key}: dtype {entry.dtype} cannot be fingerprinted")
         out[name] = 0
         itemsize = entry.dtype.itemsize  # type: ignore[union-attr]
-        for region in _regions(source, ckpt_key, entry.shape, itemsize, memory_budget):
-            nbytes = region.numel * itemsize
-            if batch and held + nbytes > memory_budget:
-                _hash_batch(source, batch, names, out)
-                batch, held = [], 0
-            batch.append((ckpt_key, region))
-            held += nbytes
+        for offset, size in source.chunks(ckpt_key):
+            if math.prod(size) == 0 and len(size) > 0:
+                continue
+            for off, sz in row_blocks(offset, size, itemsize, budget):
+                region = Region(ckpt_key, off, sz)
+                nbytes = region.numel * itemsize
+                if batch and held + nbytes > budget:
+                    _hash_batch(source, batch, names, out)
+                    batch, held = [], 0
+                batch.append((ckpt_key, region))
+                held += nbytes
     if batch:
         _hash_batch(source, batch, names, out)
     return out
 
 
 def checkpoint_key_names(source: Source) -> dict[str, str]:
-    """Checkpoint key -> the name ``fingerprint`` gives the same entry (tensors only)."""
-    classified = keymod.classify(source.entries())
-    names = {e.key: name for name, e in classified.model.items()}
-    for (fqn, state_name), e in classified.state.items():
-        if e.is_tensor:
-            names[e.key] = keymod.optim_key(fqn, state_name)
-    return dict(sorted(names.items(), key=lambda kv: kv[1]))
-
-
-def _regions(
-    source: Source, key: str, shape: tuple[int, ...], itemsize: int, budget: int
-) -> list[Region]:
-    # DCP: the saved chunks themselves (each is one blob on disk); else the whole tensor.
-    chunks = getattr(source, "chunks", None)
-    boxes = chunks(key) if chunks is not None else [((0,) * len(shape), tuple(shape))]
-    out = []
-    for offset, size in boxes:
-        if math.prod(size) == 0 and len(size) > 0:
-            continue
-        row = math.prod(size[1:]) * itemsize if len(size) > 1 else itemsize
-        rows = max(1, budget // max(row, 1))
-        if len(size) == 0 or size[0] <= rows:
-            out.append(Region(key, tuple(offset), tuple(size)))
-            continue
-        for r0 in range(0, size[0], rows):
-            r1 = min(size[0], r0 + rows)
-            out.append(Region(key, (offset[0] + r0, *offset[1:]), (r1 - r0, *size[1:])))
-    return out
+    """Checkpoint key -> the canonical name ``fingerprint`` gives the same tensor."""
+    keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+    return {r.key: r.name for r in keys.tensors() if r.role != "other"}
 
 
 def _hash_batch(
@@ -306,7 +353,9 @@ __all__ = [
     "FingerprintError",
     "FingerprintResult",
     "check_replicas",
+    "checkpoint_fingerprints",
     "fingerprint",
     "fingerprint_checkpoint",
     "fingerprint_report",
+    "fingerprints_differ",
 ]

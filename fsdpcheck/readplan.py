@@ -1,0 +1,66 @@
+"""Read planning: row blocks under a memory budget, and the arena reads are carved from."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def row_blocks(
+    offset: Sequence[int], size: Sequence[int], itemsize: int, budget: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A box cut along dim 0 into blocks of at most `budget` bytes (at least one row each).
+
+    Args:
+        offset: The box's offset in the global tensor.
+        size: The box's size.
+        itemsize: Bytes per element.
+        budget: Bytes per block.
+
+    Returns:
+        (offset, size) of each block, in order; the box itself when it fits, is 0-d, or has at
+        most one row.
+    """
+    offset, size = tuple(offset), tuple(size)
+    if not size or size[0] <= 1 or math.prod(size) * itemsize <= budget:
+        return [(offset, size)]
+    row = max(1, math.prod(size[1:]) * itemsize)
+    rows = max(1, budget // row)
+    out = []
+    for r0 in range(0, size[0], rows):
+        r1 = min(size[0], r0 + rows)
+        out.append(((offset[0] + r0, *offset[1:]), (r1 - r0, *size[1:])))
+    return out
+
+
+class Arena:
+    """One reusable buffer per device that every batch's reference regions are carved from.
+
+    NOTE: [arena] Allocating fresh buffers for every batch costs a page fault per 4 KiB on the
+    CPU (more than the comparison itself) and allocator churn on the GPU; one buffer of at most
+    the memory budget, reused, costs that once.
+    """
+
+    _ALIGN = 64  # bytes: keeps every region 16-byte aligned for vector loads
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    def carve(
+        self, device: torch.device, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        """Uninitialised tensors of the given shapes and dtypes, valid until the next carve."""
+        sizes = [dtype.itemsize * math.prod(shape) for shape, dtype in specs]
+        total = sum(-(-n // self._ALIGN) * self._ALIGN for n in sizes)
+        buf = self.buffers.get(device)
+        if buf is None or buf.numel() < total:
+            self.buffers.pop(device, None)  # free the old one first
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            self.buffers[device] = buf
+        out, off = [], 0
+        for (shape, dtype), n in zip(specs, sizes):
+            out.append(buf[off : off + n].view(dtype).view(shape))
+            off += -(-n // self._ALIGN) * self._ALIGN
+        return out

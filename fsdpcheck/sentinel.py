@@ -1,0 +1,68 @@
+"""Sentinels: elements a load never wrote.
+
+Before a load, every local destination is filled with a value no load writes by accident (a NaN
+with a recognisable payload, or the integer minimum); afterwards, elements still holding it were
+never written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fsdpcheck.collectives import Comm
+from fsdpcheck.layout import local_layout
+from fsdpcheck.live import flat_live
+from fsdpcheck.report import Finding
+
+_SENTINEL_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float64: (torch.int64, 0x7FF80000BAD1BAD1),
+    torch.float32: (torch.int32, 0x7FC0BAD1),
+    torch.bfloat16: (torch.int16, 0x7FBA),
+    torch.float16: (torch.int16, 0x7EBA),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F),
+    torch.float8_e5m2: (torch.uint8, 0x7E),
+    torch.int64: (torch.int64, -(2**63)),
+    torch.int32: (torch.int32, -(2**31)),
+    torch.int16: (torch.int16, -(2**15)),
+    torch.int8: (torch.int8, -(2**7)),
+    torch.uint8: (torch.uint8, 0xFF),
+}
+
+
+def fill_sentinel(model: Any, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    """Fills every local destination with its dtype's sentinel; the filled tensors by key."""
+    marked = []
+    for key, value in sorted(flat_live(model, optimizer).items()):
+        for piece in local_layout(value).pieces:
+            t = piece.tensor
+            if t.dtype in _SENTINEL_BITS and t.numel() > 0:
+                view_dtype, bits = _SENTINEL_BITS[t.dtype]
+                with torch.no_grad():
+                    t.view(view_dtype).fill_(bits)
+                marked.append((key, t))
+    return marked
+
+
+def unwritten(marked: list[tuple[str, torch.Tensor]], comm: Comm) -> list[Finding]:
+    """Findings for keys with elements that still hold the sentinel (summed over ranks)."""
+    local: dict[str, int] = {}
+    for key, t in marked:
+        view_dtype, bits = _SENTINEL_BITS[t.dtype]
+        n = int((t.view(view_dtype) == torch.tensor(bits, dtype=view_dtype)).sum())
+        if n:
+            local[key] = local.get(key, 0) + n
+    counts: dict[str, int] = {}
+    for rank_counts in comm.all_gather_object(local):
+        for key, n in rank_counts.items():
+            counts[key] = counts.get(key, 0) + n
+    return [
+        Finding(
+            key,
+            "missing",
+            f"{n} element(s) were never written by the load (they still hold the sentinel)",
+            mismatched=n,
+        )
+        for key, n in sorted(counts.items())
+    ]

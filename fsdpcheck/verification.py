@@ -1,0 +1,432 @@
+"""fsdpcheck.verify: every rank's shards (model and optimizer) against a reference checkpoint.
+
+The protocol, identical on every rank whatever happens locally (so no rank waits forever):
+1. prepare (local): read the live state, open the reference, match keys (``matching``), check
+   layouts, shapes and dtypes; any exception becomes a message.
+2. gather (one all_gather_object): every rank's setup error and a digest of its matched keys;
+   any error, or ranks that disagree, ends the call on every rank with the same report.
+3. compare (local): read the reference under the memory budget, one fused kernel per batch.
+4. combine (4 all-reduces + 1 all-gather): the statistics, and every rank's findings. There is
+   one channel for findings: everything found locally (key checks, layouts, read failures,
+   param_groups) travels in that gather, so every rank builds the same report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fsdpcheck import matching
+from fsdpcheck.box import Box
+from fsdpcheck.collectives import Comm, KeyStats, combine
+from fsdpcheck.kernels import SUPPORTED_DTYPES, compare
+from fsdpcheck.layout import Layout, local_layout
+from fsdpcheck.live import live_state
+from fsdpcheck.readplan import Arena, row_blocks
+from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.sources import Region, Source, open_source
+from fsdpcheck.tolerances import tolerance
+
+
+@dataclass
+class _Work:
+    """One piece to compare: a view of live data, its box, and the region of the reference."""
+
+    key_index: int
+    actual: torch.Tensor
+    box: Box
+    region: Region
+    ref_dtype: torch.dtype
+    tol: tuple[float, float]
+    fingerprint: bool
+
+
+@dataclass
+class _Prepared:
+    source: Source
+    match: matching.LiveMatch
+    layouts: list[Layout | None]  # per match item; None: not compared on this rank
+    findings: list[Finding] = field(default_factory=list)
+
+
+def verify(
+    model: torch.nn.Module | Mapping[str, Any],
+    reference: Any,
+    *,
+    optimizer: Any = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    equal_nan: bool = True,
+    check_dtype: bool = True,
+    key_map: matching.KeyMap | None = None,
+    ignore: Sequence[str] | None = None,
+    memory_budget: int = 1 << 30,
+    group: Any = None,
+) -> Report:
+    """Checks every rank's shards of a model (and optimizer) against a reference checkpoint.
+
+    Collective: every rank of `group` must call it. Each rank reads only the parts of the
+    reference that overlap its own shards, in batches of at most `memory_budget` bytes on the
+    shards' device, compares them with one fused kernel per batch, and the ranks combine their
+    statistics with a constant number of small collectives, so every rank returns the same
+    Report. Nothing is gathered, nothing is copied to the CPU, and nothing live is changed
+    (an optimizer without state is a finding, never initialised).
+
+    Args:
+        model: An nn.Module (FSDP2, tensor parallel, 2D, HSDP, DDP, plain, or wrapped by
+            Lightning/accelerate/torch.compile) or a state dict of DTensors, ShardedTensors or
+            tensors.
+        reference: A checkpoint path of any layout ``fsdpcheck.describe_path`` recognises, an
+            in-memory mapping of full tensors, a full nn.Module, or a list of these read as one.
+        optimizer: The optimizer whose state to verify too: a torch optimizer or a wrapper
+            (torchtitan OptimizersContainer, Lightning/Fabric, accelerate), or an FQN-keyed
+            optimizer state dict.
+        rtol: Relative tolerance; None means exact unless the dtypes differ.
+        atol: Absolute tolerance; None means exact unless the dtypes differ.
+        equal_nan: Whether NaN matches NaN.
+        check_dtype: Whether a dtype difference is a finding (values are compared anyway, with
+            torch.testing's default tolerances for the less precise dtype unless given).
+        key_map: A callable or dict from live key (canonical model FQN,
+            ``optim.state.<fqn>.<name>``) to the checkpoint's own key; None (or a missing entry)
+            uses the matched key; a key mapped to None is not checked (listed as ignored).
+        ignore: fnmatch patterns of keys (live names or checkpoint keys) to exclude; excluded
+            keys are listed in ``Report.mapping`` as "ignored".
+        memory_budget: Bytes of reference data held at once per rank.
+        group: The process group (default: the default group; none needed for one process).
+
+    Returns:
+        The Report, identical on every rank.
+    """
+    if not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
+    if (rtol is not None and rtol < 0) or (atol is not None and atol < 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    t0 = time.perf_counter()
+    comm = Comm(group)
+    prepared: _Prepared | None = None
+    error = None
+    try:
+        prepared = _prepare(model, reference, optimizer, key_map, ignore, check_dtype, comm)
+    except Exception as exc:  # whatever happens here, every rank reaches the gather below
+        error = describe_error(exc)
+    # Agree before any per-key collective: the same keys and the same checkpoint everywhere.
+    digest = _digest(prepared)
+    described = prepared.source.description if prepared else str(reference)
+    gathered = comm.all_gather_object((error, digest, described))
+    report = Report(reference=gathered[0][2], world_size=comm.world)
+    errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e]
+    if errors or len({d for _, d, _ in gathered}) != 1:
+        if errors:
+            ranks = [r for r, _ in errors]
+            more = "" if len(errors) == 1 else f" (and on ranks {ranks[1:]})"
+            report.findings = [
+                Finding("*", "error", errors[0][1] + more, rank=ranks[0], ranks=ranks)
+            ]
+        else:
+            report.findings = [
+                Finding(
+                    "*",
+                    "error",
+                    "ranks see different live keys or different checkpoints (is the checkpoint "
+                    "on a filesystem every rank shares, and is every rank's model the same?)",
+                )
+            ]
+        report.seconds = time.perf_counter() - t0
+        _close(prepared)
+        return report
+    assert prepared is not None
+    m = prepared.match
+    stats = [KeyStats() for _ in m.items]
+    local = list(prepared.findings)
+    bytes_read = 0
+    try:
+        bytes_read = _compare_values(prepared, stats, local, rtol, atol, equal_nan, memory_budget)
+    except Exception as exc:  # a local failure must not leave the other ranks waiting
+        local.append(Finding("*", "error", describe_error(exc)))
+    try:
+        local += _check_param_groups(prepared.source, m.groups)
+    except Exception as exc:
+        local.append(Finding("optim.param_groups", "error", describe_error(exc)))
+    for f in local:
+        f.rank, f.ranks = comm.rank, [comm.rank]
+    combined, extras = combine(comm, stats, (local, bytes_read, time.perf_counter() - t0))
+    findings = list(m.findings)
+    for f in [f for rank_findings, _, _ in extras for f in rank_findings]:
+        findings.append(f)
+    entries = prepared.source.entries()
+    for item, c, lay in zip(m.items, combined, prepared.layouts):
+        if c.counts["mismatched"] > 0:
+            rtol_, atol_ = tolerance(item.value.dtype, entries[item.ckpt_key].dtype, rtol, atol)
+            shape = lay.global_shape if lay is not None else entries[item.ckpt_key].shape
+            findings.append(Finding.value(item.key, c, shape, rtol=rtol_, atol=atol_))
+        if c.replica_groups:
+            findings.append(Finding.replica(item.key, c.replica_groups))
+    report.findings = _everywhere(normalized(findings), comm.world)
+    report.keys_checked = sum(1 for lay in prepared.layouts if lay is not None)
+    report.keys_a, report.keys_b = m.keys_a, m.keys_b
+    report.mapping = m.rows
+    report.elements_checked = sum(c.counts["numel"] for c in combined)
+    report.bytes_read = sum(b for _, b, _ in extras)
+    report.seconds = max(s for _, _, s in extras)
+    report.notes = list(m.notes)
+    _close(prepared)
+    return report
+
+
+def _everywhere(findings: list[Finding], world: int) -> list[Finding]:
+    """Findings that every rank reported are about the job, not a rank: no rank named."""
+    for f in findings:
+        everywhere = world > 1 and len(f.ranks) == world and f.kind != "value"
+        if everywhere or (world == 1 and f.kind not in ("value", "replica")):
+            f.rank, f.ranks = None, []
+    return findings
+
+
+def _close(prepared: _Prepared | None) -> None:
+    if prepared is not None:
+        prepared.source.close()
+
+
+def _digest(prepared: _Prepared | None) -> str:
+    h = hashlib.sha256()
+    if prepared is not None:
+        for item in prepared.match.items:
+            h.update(f"{item.key}\0{item.ckpt_key}\0".encode())
+        for key in sorted(prepared.source.entries()):
+            h.update(key.encode())
+    return h.hexdigest()
+
+
+# -------------------------------------------------------------------------------------------
+def _prepare(
+    model: Any,
+    reference: Any,
+    optimizer: Any,
+    key_map: matching.KeyMap | None,
+    ignore: Sequence[str] | None,
+    check_dtype: bool,
+    comm: Comm,
+) -> _Prepared:
+    """Live state, the source, the matching and the per-key checks (local, may raise)."""
+    live = live_state(model, optimizer)
+    source = open_source(reference)
+    try:
+        ckpt = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        m = matching.match_live(
+            live, ckpt, read_objects=source.read_objects, key_map=key_map, ignore=ignore
+        )
+        prepared = _Prepared(source, m, [])
+        _check_keys(prepared, live.requires_grad, check_dtype, comm.world)
+    except BaseException:
+        source.close()
+        raise
+    return prepared
+
+
+def _check_keys(
+    p: _Prepared, live_requires_grad: Mapping[str, bool], check_dtype: bool, world: int
+) -> None:
+    """Layout, shape, dtype and requires_grad of each matched item; the layouts to compare."""
+    entries = p.source.entries()
+    requires_grad = getattr(p.source, "requires_grad", None)
+    for item in p.match.items:
+        entry = entries[item.ckpt_key]
+        lay = local_layout(item.value, world)
+        p.layouts.append(None)
+        if lay.error is not None:
+            p.findings.append(Finding(item.key, "layout", lay.error))
+            continue
+        if math.prod(entry.shape) == 0 and math.prod(lay.global_shape) > 0:
+            p.findings.append(
+                Finding(
+                    item.key,
+                    "skipped",
+                    f"the checkpoint holds an empty placeholder {entry.shape} for a tensor of "
+                    f"shape {lay.global_shape} (DeepSpeed ZeRO-3 keeps the values in its "
+                    "optimizer partitions: consolidate with zero_to_fp32.py and verify that)",
+                )
+            )
+            continue
+        if lay.global_shape != entry.shape:
+            p.findings.append(
+                Finding(
+                    item.key,
+                    "shape",
+                    f"global shape {lay.global_shape} live but {entry.shape} in the checkpoint",
+                )
+            )
+            continue
+        if entry.dtype not in SUPPORTED_DTYPES or lay.dtype not in SUPPORTED_DTYPES:
+            p.findings.append(
+                Finding(
+                    item.key,
+                    "skipped",
+                    f"dtype {lay.dtype} (live) / {entry.dtype} (checkpoint) cannot be compared "
+                    "element-wise",
+                )
+            )
+            continue
+        if lay.dtype != entry.dtype and check_dtype:
+            p.findings.append(
+                Finding(item.key, "dtype", f"{lay.dtype} live but {entry.dtype} in the checkpoint")
+            )
+        p.layouts[-1] = lay
+        if item.is_param_state:
+            continue
+        saved_rg = _saved_requires_grad(requires_grad, item.ckpt_key)
+        live_rg = live_requires_grad.get(item.fqn)
+        if saved_rg is not None and live_rg is not None and saved_rg != live_rg:
+            p.findings.append(
+                Finding(
+                    item.key,
+                    "requires_grad",
+                    f"requires_grad={live_rg} live but {saved_rg} in the reference",
+                )
+            )
+
+
+def _saved_requires_grad(requires_grad: Any, key: str) -> bool | None:
+    if callable(requires_grad):
+        return requires_grad(key)
+    if isinstance(requires_grad, Mapping):
+        return requires_grad.get(key)
+    return None
+
+
+# -------------------------------------------------------------------------------------------
+def _compare_values(
+    p: _Prepared,
+    stats: list[KeyStats],
+    findings: list[Finding],
+    rtol: float | None,
+    atol: float | None,
+    equal_nan: bool,
+    budget: int,
+) -> int:
+    """Reads and compares every local piece in batches under the budget; returns bytes read."""
+    entries = p.source.entries()
+    arena = Arena()
+    batch: list[_Work] = []
+    held = 0
+    done = 0
+    for i, (item, lay) in enumerate(zip(p.match.items, p.layouts)):
+        if lay is None:
+            stats[i].errors += 1
+            continue
+        entry = entries[item.ckpt_key]
+        assert entry.dtype is not None
+        tol = tolerance(lay.dtype, entry.dtype, rtol, atol)
+        elsize = entry.dtype.itemsize
+        for piece in lay.pieces:
+            stats[i].holders = 1
+            assert piece.box.offset is not None
+            for off, size in row_blocks(piece.box.offset, piece.tensor.shape, elsize, budget):
+                actual = piece.tensor
+                if size != tuple(piece.tensor.shape):  # a block of rows of the piece
+                    r0 = off[0] - piece.box.offset[0]
+                    actual = piece.tensor[r0 : r0 + size[0]]
+                w = _Work(
+                    i,
+                    actual,
+                    Box(piece.box.shape, off),
+                    Region(item.ckpt_key, off, size),
+                    entry.dtype,
+                    tol,
+                    lay.replicated,
+                )
+                nbytes = w.region.numel * elsize
+                if batch and held + nbytes > budget:
+                    done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
+                    batch, held = [], 0
+                batch.append(w)
+                held += nbytes
+    if batch:
+        done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
+    return done
+
+
+def _flush(
+    source: Source,
+    arena: Arena,
+    batch: list[_Work],
+    stats: list[KeyStats],
+    findings: list[Finding],
+    m: matching.LiveMatch,
+    equal_nan: bool,
+) -> int:
+    """Reads one batch of reference regions and compares it, in one fused call per kind."""
+    by_device: dict[torch.device, list[_Work]] = {}
+    for w in batch:
+        by_device.setdefault(w.actual.device, []).append(w)
+    done = 0
+    for device, works in by_device.items():
+        try:
+            out = arena.carve(device, [(w.region.size, w.ref_dtype) for w in works])
+            refs = source.read([w.region for w in works], device, out)
+        except Exception as exc:  # unreadable file, out of memory: a finding, not a hang
+            msg = f"reading the reference failed: {describe_error(exc)}"
+            for key_index in sorted({w.key_index for w in works}):
+                stats[key_index].errors += 1
+                findings.append(Finding(m.items[key_index].key, "error", msg))
+            continue
+        done += sum(r.numel() * r.element_size() for r in refs)
+        groups: dict[tuple[float, float, bool], list[int]] = {}
+        for j, w in enumerate(works):
+            groups.setdefault((*w.tol, w.fingerprint), []).append(j)
+        for (rtol, atol, fp), idx in groups.items():
+            diffs = compare(
+                [works[j].actual for j in idx],
+                [refs[j] for j in idx],
+                rtol=rtol,
+                atol=atol,
+                equal_nan=equal_nan,
+                boxes=[works[j].box for j in idx],
+                fingerprints=fp,
+            )
+            for j, d in zip(idx, diffs):
+                stats[works[j].key_index].add(d, works[j].box)
+        del refs
+    return done
+
+
+def _check_param_groups(source: Source, groups: list[matching.GroupPair]) -> list[Finding]:
+    """Hyperparameters of each live param group against the checkpoint's."""
+    keys = [e.key for g in groups if g.ckpt for name, e in g.ckpt.items() if name != "params"]
+    saved = source.read_objects(keys) if keys else {}
+    out = []
+    for g in groups:
+        if g.ckpt is None:
+            continue
+        for name, value in sorted(g.hparams.items()):
+            key = matching.group_key(g.index, name)
+            entry = g.ckpt.get(name)
+            if entry is None:
+                out.append(Finding(key, "missing", f"'{name}' is not in the checkpoint"))
+            elif not _same_hparam(value, saved[entry.key]):
+                out.append(
+                    Finding(
+                        key,
+                        "value",
+                        f"{name} is {value!r} in the optimizer but {saved[entry.key]!r} in the "
+                        "checkpoint",
+                    )
+                )
+    return out
+
+
+def _same_hparam(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ta, tb = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+        return ta.shape == tb.shape and bool(torch.equal(ta.to(tb.dtype), tb))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_hparam(x, y) for x, y in zip(a, b))
+    return bool(a == b) or (a != a and b != b)
+
+
+__all__ = ["verify"]
