@@ -196,7 +196,7 @@ def test_audit_removed_chunk(tmp_path):
 
     _edit_metadata(p, edit)
     r = fsdpcheck.audit(p)
-    assert kinds(r) == [("model.0.weight", "layout")]
+    assert kinds(r) == [("model.0.weight", "gap")]
     assert "gap at [4:7]" in r.findings[0].message
 
 
@@ -254,7 +254,9 @@ def test_audit_files(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     r = fsdpcheck.audit(tmp_path / "bad.pt")
     assert kinds(r) == [("*", "error")]
-    assert not fsdpcheck.audit(tmp_path / "missing").ok
+    # Unreadable input is an error to raise (the CLI's exit 2), not a finding.
+    with pytest.raises(FileNotFoundError):
+        fsdpcheck.audit(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("layout", ["optimizer-container", "flat-model"])
