@@ -275,3 +275,110 @@ def test_load_follows_the_checkpoints_nesting(tmp_path, layout):
     assert torch.equal(m2[2].weight, m[2].weight)
     if with_opt is not None:
         assert torch.equal(opt2.state[m2[0].bias]["exp_avg"], opt.state[m[0].bias]["exp_avg"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A refused load leaves the model untouched; save is atomic.
+def _state_fingerprints(m, opt) -> dict[str, int]:
+    """Every parameter and optimizer state tensor, fingerprinted (read-only)."""
+    out = {k: fsdpcheck.fingerprint_tensor(v) for k, v in m.state_dict().items()}
+    for p, st in opt.state.items():
+        for name, v in st.items():
+            out[f"{id(p)}.{name}"] = fsdpcheck.fingerprint_tensor(v)
+    return out
+
+
+def _damage_truncate(ck):
+    f = sorted(ck.glob("*.distcp"))[0]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _damage_delete(ck):
+    sorted(ck.glob("*.distcp"))[0].unlink()
+
+
+def _damage_manifest(ck):
+    mf = ck / "fsdpcheck_manifest.json"
+    manifest = json.loads(mf.read_text())
+    manifest["entries"]["0.weight"]["shape"] = "seven by five"
+    mf.write_text(json.dumps(manifest))
+
+
+def _damage_metadata_gap(ck):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdpcheck.sources.safe_reader import read_dcp_metadata
+
+    md = read_dcp_metadata(ck)
+    meta = md.state_dict_metadata["model.0.weight"]
+    assert isinstance(meta, TensorStorageMetadata)
+    chunk = meta.chunks[0]
+    meta.chunks[0] = type(chunk)(offsets=chunk.offsets, sizes=torch.Size([3, *chunk.sizes[1:]]))
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "match"),
+    [
+        (_damage_truncate, fsdpcheck.sources.base.CheckpointError, "bytes"),
+        (_damage_delete, fsdpcheck.sources.base.CheckpointError, "distcp"),
+        (_damage_manifest, fsdpcheck.ManifestError, "shape"),
+        (_damage_metadata_gap, fsdpcheck.sources.base.CheckpointError, "gap"),
+    ],
+)
+def test_refused_load_leaves_model_and_optimizer_untouched(tmp_path, damage, error, match):
+    m, opt = small_model()
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    damage(tmp_path / "ck")
+    m2, opt2 = small_model(seed=1)
+    before = _state_fingerprints(m2, opt2)
+    with pytest.raises(error, match=match) as e:
+        fsdpcheck.load(m2, tmp_path / "ck", optimizer=opt2, sentinel=True)
+    assert "\n" not in str(e.value)  # one line
+    assert _state_fingerprints(m2, opt2) == before
+
+
+def test_save_refuses_a_non_empty_target_and_overwrite_replaces_it_whole(tmp_path):
+    m, opt = small_model()
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "__7_0.distcp").write_bytes(b"stale shard of an older, larger save")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        fsdpcheck.save(m, ck, optimizer=opt)
+    assert (ck / "__7_0.distcp").exists() and not (ck / ".metadata").exists()
+    fsdpcheck.save(m, ck, optimizer=opt, overwrite=True)
+    assert not (ck / "__7_0.distcp").exists()  # nothing of the old generation survives
+    assert fsdpcheck.audit(ck, deep=True).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_save_that_fails_half_way_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    m, opt = small_model()
+    ck = tmp_path / "ck"
+    fsdpcheck.save(m, ck, optimizer=opt)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    real_save = dcp.save
+
+    def dies_half_way(state, checkpoint_id, **kwargs):
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", dies_half_way)
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        fsdpcheck.save(m, ck, optimizer=opt, overwrite=True)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no half-written sibling
+
+
+def test_save_refuses_an_optimizer_without_state(tmp_path):
+    m, _ = small_model()
+    fresh = torch.optim.AdamW(m.parameters())
+    before = fsdpcheck.fingerprint(m)
+    with pytest.raises(ValueError, match="no state"):
+        fsdpcheck.save(m, tmp_path / "ck", optimizer=fresh)
+    assert not fresh.state and fsdpcheck.fingerprint(m) == before
+    assert not (tmp_path / "ck").exists()
