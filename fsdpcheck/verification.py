@@ -234,7 +234,6 @@ def _check_keys(
 ) -> None:
     """Layout, shape, dtype and requires_grad of each matched item; the layouts to compare."""
     entries = p.source.entries()
-    requires_grad = getattr(p.source, "requires_grad", None)
     for item in p.match.items:
         entry = entries[item.ckpt_key]
         lay = local_layout(item.value, world)
@@ -279,7 +278,7 @@ def _check_keys(
         p.layouts[-1] = lay
         if item.is_param_state:
             continue
-        saved_rg = _saved_requires_grad(requires_grad, item.ckpt_key)
+        saved_rg = p.source.requires_grad(item.ckpt_key)
         live_rg = live_requires_grad.get(item.fqn)
         if saved_rg is not None and live_rg is not None and saved_rg != live_rg:
             p.findings.append(
@@ -289,14 +288,6 @@ def _check_keys(
                     f"requires_grad={live_rg} live but {saved_rg} in the reference",
                 )
             )
-
-
-def _saved_requires_grad(requires_grad: Any, key: str) -> bool | None:
-    if callable(requires_grad):
-        return requires_grad(key)
-    if isinstance(requires_grad, Mapping):
-        return requires_grad.get(key)
-    return None
 
 
 # -------------------------------------------------------------------------------------------
