@@ -1,0 +1,124 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 ``save_checkpoint`` on CPU ranks (gloo).
+
+Layout: ``<dir>/latest`` names the tag; ``<dir>/<tag>/`` holds ``mp_rank_00_model_states.pt``
+(ZeRO-2: ``module`` = the full fp32 state dict) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``
+(ZeRO-3: ``module`` = EMPTY placeholders, the values live in the optimizer files), and
+``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` with each rank's flat fp32 partition and flat
+Adam moments.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.corpus import Case, Planted
+
+# A plain MLP: DeepSpeed shards the flat buffer itself, no FSDP.
+DS_FQNS = ["0.bias", "0.weight", "2.bias", "2.weight"]
+PLANT_WEIGHT = ("2.weight", (3, 1))
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+
+
+def _import_deepspeed() -> Any:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch as ds_torch_comm
+
+    # DeepSpeed JIT-compiles a shared-memory allreduce op for CPU ranks on first use (about a
+    # minute on two cores, C++ toolchain needed); gloo's allreduce is all these tests need.
+    ds_torch_comm.build_shm_op = lambda: None
+    return deepspeed
+
+
+def train(stage: int, rank: int) -> Any:
+    """A DeepSpeed engine at ZeRO `stage` after one AdamW step (torch's AdamW, no custom op)."""
+    deepspeed = _import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _mlp()
+    config = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},
+        },
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    g = torch.Generator().manual_seed(rank)
+    engine.backward(engine(torch.randn(2, 8, generator=g)).pow(2).mean())
+    engine.step()
+    return engine
+
+
+def _full_params(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    deepspeed = _import_deepspeed()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters([p]):
+                out[name] = p.detach().clone()
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def _plant(engine: Any, stage: int, key: str, index: tuple[int, ...], delta: float) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    p = engine.module.get_parameter(key)
+    # The fp32 master copy (the optimizer's flat partitions, which is all ZeRO-3 saves) through
+    # DeepSpeed's own accessor; ZeRO-2 also saves the module's copy, changed alike.
+    master = safe_get_full_fp32_param(p)
+    master[index] += delta
+    safe_set_full_fp32_param(p, master)
+    if stage == 2:
+        with torch.no_grad():
+            p[index] += delta
+
+
+def build(rank: int, world: int, root: Path) -> list[Case]:
+    """ZeRO-2 and ZeRO-3 checkpoints, each with a planted twin (one weight element)."""
+    import deepspeed
+
+    from fsdpcheck import fingerprint_tensor
+
+    cases = []
+    for stage in (2, 3):
+        engine = train(stage, rank)
+        full = _full_params(engine, stage)
+        clean, planted = root / f"zero{stage}", root / f"zero{stage}_planted"
+        engine.save_checkpoint(str(clean), tag="global_step1")
+        key, index = PLANT_WEIGHT
+        _plant(engine, stage, key, index, 0.5)
+        engine.save_checkpoint(str(planted), tag="global_step1")
+        _plant(engine, stage, key, index, -0.5)
+        cases.append(
+            Case(
+                name=f"deepspeed_zero{stage}",
+                library=f"deepspeed {deepspeed.__version__}",
+                path=str(clean),
+                expected_layout="deepspeed",
+                model_keys=sorted(DS_FQNS),
+                planted_path=str(planted),
+                planted=[Planted(key, index, "weight")],
+                extra={
+                    "stage": stage,
+                    "tag": "global_step1",
+                    "model_fingerprints": {k: fingerprint_tensor(v) for k, v in full.items()},
+                    "model_numel": {k: v.numel() for k, v in full.items()},
+                },
+            )
+        )
+        engine.destroy()
+    return cases
