@@ -100,7 +100,9 @@ def _torch_reads_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _torch_reads_torch_save(path: Path) -> dict[str, torch.Tensor]:
-    return _flat_tensors(torch.load(path / "model.pt", weights_only=True))
+    # Loaded as fsdpcheck documents it loads (mapped, CPU): the reference for the tensors' bytes.
+    return _flat_tensors(torch.load(path / "model.pt", map_location="cpu", mmap=True,
+                                    weights_only=True))  # fmt: skip
 
 
 class Pristine:

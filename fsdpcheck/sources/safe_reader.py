@@ -131,6 +131,16 @@ def validate_metadata(md: Any, what: str) -> None:
             )
     if md.planner_data is not None and not isinstance(md.planner_data, dict):
         raise CheckpointError(f"{what}: planner_data is not a dict")
+    for key, path in (md.planner_data or {}).items():
+        # DCP's default planner records each flattened key's path in the state dict; the key
+        # is those components joined by dots. A path that does not spell its key would make
+        # fsdpcheck and torch name the tensor differently.
+        spelled = ".".join(str(p) for p in path) if isinstance(path, (list, tuple)) else key
+        if key in sdm and path and spelled != key:
+            raise CheckpointError(
+                f"{what}: planner_data gives {key!r:.80} the path {tuple(path)!r:.80}, which "
+                "does not spell it"
+            )
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
         raise CheckpointError(f"{what}: storage_data is not a dict")
@@ -185,7 +195,9 @@ class StorageCheck:
 def _relative_path_problem(root: Path, rel: str) -> str | None:
     """Why a storage path may not be opened (outside the checkpoint), or None."""
     pure = PurePosixPath(rel)
-    if not rel or pure.is_absolute() or rel.startswith("\\") or ":" in pure.parts[0]:
+    if not pure.parts or rel in (".", "./"):
+        return f"names {rel!r}, which is not a file"
+    if pure.is_absolute() or rel.startswith("\\") or ":" in pure.parts[0]:
         return f"names the absolute path {rel!r}"
     if ".." in pure.parts or "\\" in rel:
         return f"names {rel!r}, outside the checkpoint directory"
