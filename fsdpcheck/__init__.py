@@ -1,30 +1,45 @@
-"""fsdpcheck: prove that every rank's shard of a sharded checkpoint holds the right values."""
+"""fsdpcheck: prove that every rank's shard of a sharded checkpoint holds the right values.
+
+The public names are imported on first use (PEP 562), so ``fsdpcheck --help`` and
+``import fsdpcheck`` do not pay for torch.distributed.checkpoint until something needs it.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fsdpcheck._version import __version__
-from fsdpcheck.audit import audit
-from fsdpcheck.box import Box
-from fsdpcheck.checkpoint import CheckpointKindError, load, save
-from fsdpcheck.comparison import compare_checkpoints
-from fsdpcheck.fingerprints import (
-    FingerprintError,
-    check_replicas,
-    fingerprint,
-    fingerprint_checkpoint,
-)
-from fsdpcheck.formats import CheckpointInfo, describe_path
-from fsdpcheck.kernels import (
-    SUPPORTED_DTYPES,
-    TensorDiff,
-    build_info,
-    compare,
-    fingerprint_tensor,
-    fingerprint_tensors,
-)
-from fsdpcheck.manifest import Manifest, ManifestError, read_manifest
-from fsdpcheck.report import Finding, MappingRow, Report, VerificationError
-from fsdpcheck.verification import verify
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "audit": "fsdpcheck.auditing",
+    "Box": "fsdpcheck.box",
+    "CheckpointKindError": "fsdpcheck.checkpoint",
+    "load": "fsdpcheck.checkpoint",
+    "save": "fsdpcheck.checkpoint",
+    "compare_checkpoints": "fsdpcheck.comparison",
+    "FingerprintError": "fsdpcheck.fingerprints",
+    "check_replicas": "fsdpcheck.fingerprints",
+    "fingerprint": "fsdpcheck.fingerprints",
+    "fingerprint_checkpoint": "fsdpcheck.fingerprints",
+    "CheckpointInfo": "fsdpcheck.formats",
+    "describe_path": "fsdpcheck.formats",
+    "SUPPORTED_DTYPES": "fsdpcheck.kernels",
+    "TensorDiff": "fsdpcheck.kernels",
+    "build_info": "fsdpcheck.kernels",
+    "compare": "fsdpcheck.kernels",
+    "fingerprint_tensor": "fsdpcheck.kernels",
+    "fingerprint_tensors": "fsdpcheck.kernels",
+    "Manifest": "fsdpcheck.manifest",
+    "ManifestError": "fsdpcheck.manifest",
+    "read_manifest": "fsdpcheck.manifest",
+    "Finding": "fsdpcheck.report",
+    "MappingRow": "fsdpcheck.report",
+    "Report": "fsdpcheck.report",
+    "VerificationError": "fsdpcheck.report",
+    "verify": "fsdpcheck.verification",
+}
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -55,3 +70,41 @@ __all__ = [
     "save",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdpcheck' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:
+    from fsdpcheck.auditing import audit
+    from fsdpcheck.box import Box
+    from fsdpcheck.checkpoint import CheckpointKindError, load, save
+    from fsdpcheck.comparison import compare_checkpoints
+    from fsdpcheck.fingerprints import (
+        FingerprintError,
+        check_replicas,
+        fingerprint,
+        fingerprint_checkpoint,
+    )
+    from fsdpcheck.formats import CheckpointInfo, describe_path
+    from fsdpcheck.kernels import (
+        SUPPORTED_DTYPES,
+        TensorDiff,
+        build_info,
+        compare,
+        fingerprint_tensor,
+        fingerprint_tensors,
+    )
+    from fsdpcheck.manifest import Manifest, ManifestError, read_manifest
+    from fsdpcheck.report import Finding, MappingRow, Report, VerificationError
+    from fsdpcheck.verification import verify

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch  # noqa: F401  (libtorch must be loaded before the extension that links to it)
 
 try:
-    from fsdpcheck import _C  # type: ignore[attr-defined]
+    _C: Any = importlib.import_module("fsdpcheck._C")
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         f"fsdpcheck's compiled extension could not be loaded ({exc}). Build it against the torch "

@@ -199,7 +199,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from fsdpcheck.audit import audit
+    from fsdpcheck.auditing import audit
 
     return _emit_report(args, audit(args.path, deep=args.deep))
 

@@ -157,8 +157,8 @@ def _directory(p: Path) -> CheckpointInfo:
     if not names:
         raise ValueError(f"{p} is an empty directory, not a checkpoint")
     raise ValueError(
-        f"{p} is a directory but not a checkpoint fsdpcheck recognises: no DCP .metadata, no "
-        f"safetensors, and {len(saved)} torch.save files (pass one file, or a DCP directory)"
+        f"{p} holds no checkpoint fsdpcheck recognises: no DCP .metadata, no safetensors, and "
+        f"{len(saved)} torch.save files (pass one file, or a DCP directory)"
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsdpcheck
-from fsdpcheck.audit import tiling_problems
+from fsdpcheck.sources.tiling import tiling_problems
 from tests import reference
 from tests.models import small_model
 

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.report import Finding, Report, describe_error
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
+from fsdpcheck.formats import describe_path, is_dcp_dir
+from fsdpcheck.manifest import read_manifest
+from fsdpcheck.matching import CheckpointKeys, checkpoint_keys, optim_key
+from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.sources import open_path
+from fsdpcheck.sources.base import Entry
+from fsdpcheck.sources.safe_reader import check_storage, read_dcp_metadata
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 __all__ = ["Box", "audit", "tiling_problems"]
-
-# What makes a directory look like a checkpoint of some kind (else it is not audited at all).
-_CHECKPOINT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "*.pt", "*.pth", "*.bin",
-                     "*.ckpt")  # fmt: skip
 
 
 def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
@@ -47,37 +53,23 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
         ValueError: `path` is a directory holding no checkpoint (empty, or nothing of a
             supported kind).
     """
-    from fsdpcheck.sources.dcp import is_dcp_dir
-
     t0 = time.perf_counter()
-    p = Path(path)
+    info = describe_path(path)  # unreadable input raises: FileNotFoundError, ValueError
     findings: list[Finding] = []
-    notes: list[str] = []
+    notes: list[str] = list(info.notes)
     checked = 0
-    if not os.path.lexists(p):
-        raise FileNotFoundError(f"{p} does not exist")
-    dcp_dirs = [p] if is_dcp_dir(p) else []
-    if p.is_dir() and not dcp_dirs:
-        dcp_dirs = [q for q in sorted(p.iterdir()) if is_dcp_dir(q)]
-        if not dcp_dirs and not any(next(p.glob(g), None) for g in _CHECKPOINT_GLOBS):
-            what = "is empty" if next(p.iterdir(), None) is None else "holds no checkpoint"
-            raise ValueError(
-                f"{p} {what}: expected a DCP directory (with .metadata), safetensors or a "
-                "torch.save file"
-            )
-    try:
-        if dcp_dirs:
-            for d in dcp_dirs:
-                checked += _audit_dcp(
-                    d, findings, notes, deep, prefix="" if d == p else d.name + "/"
-                )
-        else:
-            checked += _audit_file(p, findings)
-    except Exception as exc:
-        findings.append(Finding("*", "error", describe_error(exc)))
+    for part in info.parts:
+        prefix = "" if len(info.parts) == 1 else part.name + "/"
+        try:
+            if is_dcp_dir(part):
+                checked += _audit_dcp(part, findings, notes, deep, prefix)
+            else:
+                checked += _audit_file(part, findings, prefix, info.layout)
+        except Exception as exc:  # a checkpoint too broken to read is a finding about it
+            findings.append(Finding(prefix + "*", "error", describe_error(exc)))
     return Report(
-        findings=sorted(findings, key=lambda f: (f.key, f.kind)),
-        reference=f"the structure of {p}",
+        findings=normalized(findings),
+        reference=f"the structure of {info.path} ({info.layout})",
         keys_checked=checked,
         seconds=time.perf_counter() - t0,
         notes=notes,
@@ -85,15 +77,17 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
 
 
 def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, prefix: str) -> int:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdpcheck.sources.safe_reader import check_storage, read_dcp_metadata
-
     md = read_dcp_metadata(p)
     tensors = sum(isinstance(m, TensorStorageMetadata) for m in md.state_dict_metadata.values())
     for key, kind, message in check_storage(p, md).findings:
         findings.append(Finding(prefix + key, kind, message))
-    _audit_optimizer(md, findings, prefix)
+    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
+    entries = {}
+    for key, meta in md.state_dict_metadata.items():
+        raw = planner.get(key)
+        path = tuple(str(x) for x in raw) if raw else (key,)
+        entries[key] = Entry(key, path, is_tensor=isinstance(meta, TensorStorageMetadata))
+    _audit_optimizer(checkpoint_keys(entries), findings, prefix)
     try:
         _audit_manifest(p, md, findings, notes, deep, prefix)
     except Exception as exc:  # a malformed manifest is a finding about the manifest
@@ -101,20 +95,8 @@ def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, p
     return tensors
 
 
-def _audit_optimizer(md: Any, findings: list[Finding], prefix: str) -> None:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdpcheck.sources.base import Entry
-
-    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
-    entries = {}
-    for key, meta in md.state_dict_metadata.items():
-        raw = planner.get(key)
-        path = tuple(str(x) for x in raw) if raw else (key,)
-        entries[key] = Entry(key, path, is_tensor=isinstance(meta, TensorStorageMetadata))
-    from fsdpcheck.matching import checkpoint_keys, optim_key
-
-    c = checkpoint_keys(entries)
+def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], prefix: str) -> None:
+    """Optimizer state complete: the same state names everywhere, a step, none lazily missing."""
     if not c.state:
         return
     names: dict[str, set[str]] = {}
@@ -136,7 +118,10 @@ def _audit_optimizer(md: Any, findings: list[Finding], prefix: str) -> None:
             Finding(prefix + "optim.state", "missing", "no parameter has a 'step' in its state")
         )
     with_state = set(names)
-    lazy = sorted(fqn for fqn in c.model if fqn not in with_state)
+    # By integer ids, state cannot be told apart by name: count instead.
+    lazy = [] if c.id_keyed else sorted(fqn for fqn in c.model if fqn not in with_state)
+    if c.id_keyed and c.model and len(with_state) < len(c.model):
+        lazy = [f"{len(c.model) - len(with_state)} of {len(c.model)} parameters"]
     if lazy and with_state:
         findings.append(
             Finding(
@@ -151,10 +136,6 @@ def _audit_optimizer(md: Any, findings: list[Finding], prefix: str) -> None:
 def _audit_manifest(
     p: Path, md: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
 ) -> None:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdpcheck.manifest import read_manifest
-
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
         notes.append(f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save)")
@@ -187,8 +168,6 @@ def _audit_manifest(
         if isinstance(m, TensorStorageMetadata) and ck not in listed:
             findings.append(Finding(prefix + ck, "unexpected", "saved but not in the manifest"))
     if deep:
-        from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
-
         actual = fingerprint_checkpoint(p)
         expected = manifest.fingerprints()
         findings.extend(
@@ -196,13 +175,25 @@ def _audit_manifest(
         )
 
 
-def _audit_file(p: Path, findings: list[Finding]) -> int:
-    from fsdpcheck.sources import open_source
-
-    source = open_source(p)
+def _audit_file(p: Path, findings: list[Finding], prefix: str, layout: str) -> int:
+    source = open_path(p)
     try:
         for key, kind, message in source.problems():
-            findings.append(Finding(key, kind, message))
+            findings.append(Finding(prefix + key, kind, message))
+        keys = checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        _audit_optimizer(keys, findings, prefix)
+        if layout == "deepspeed":
+            for r in keys.model.values():
+                if math.prod(r.entry.shape) == 0 and len(r.entry.shape) > 0:
+                    findings.append(
+                        Finding(
+                            prefix + r.name,
+                            "skipped",
+                            f"an empty placeholder {r.entry.shape}: DeepSpeed ZeRO-3 keeps the "
+                            "values in its optimizer partitions (consolidate with "
+                            "zero_to_fp32.py and audit the result)",
+                        )
+                    )
         return sum(e.is_tensor for e in source.entries().values())
     finally:
         source.close()
