@@ -1,0 +1,206 @@
+"""torchtitan: verify what ``CheckpointManager.load`` restored, and write a manifest at each save.
+
+Example::
+
+    checkpointer = CheckpointManager.Config(...).build(model_parts=model_parts, ...)
+    save_manifests(checkpointer)          # each step-N/ gets fsdpcheck_manifest.json
+    checkpointer.load(step=-1)
+    verify_after_load(checkpointer).raise_if_failed()
+
+With a manifest, the check after a load is one fingerprint pass over every rank's shards (no
+second read of the checkpoint); without one (a step folder written before ``save_manifests``),
+it is ``fsdpcheck.verify`` against the step folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdpcheck.checkpoint import _manifest
+from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.fingerprints import fingerprint_report
+from fsdpcheck.manifest import Manifest, write_manifest
+from fsdpcheck.report import Report
+from fsdpcheck.watch import verify_resumed
+
+__all__ = ["latest_step_folder", "save_manifests", "verify_after_load", "write_step_manifest"]
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+def verify_after_load(
+    checkpointer: Any,
+    *,
+    step: int = -1,
+    model_parts: list[torch.nn.Module] | None = None,
+    optimizers: Any = None,
+    group: Any = None,
+    **verify_kwargs: Any,
+) -> Report:
+    """Checks the model parts and optimizers against the step folder ``load()`` restored.
+
+    Collective: every rank calls it, after ``checkpointer.load(step)``. The folder is found as
+    torchtitan finds it (``step-N`` under ``checkpointer.folder``, the latest when `step` is
+    -1, else ``initial_load_path``); the optimizer is checked unless torchtitan loaded the
+    model only (step 0, ``initial_load_model_only``, or ``"optimizer"`` in
+    ``exclude_from_loading``).
+
+    Args:
+        checkpointer: The ``CheckpointManager``.
+        step: The step given to ``load`` (-1: the latest).
+        model_parts: The model parts (default: those the checkpointer holds). One part is
+            supported: pipeline stages hold different keys on different ranks.
+        optimizers: The ``OptimizersContainer`` (default: the checkpointer's).
+        group: The process group.
+        **verify_kwargs: Passed to ``fsdpcheck.verify`` when the folder has no manifest.
+
+    Returns:
+        The Report, identical on every rank. An OK report with a note when nothing was loaded
+        (a fresh start, or a disabled checkpointer).
+
+    Raises:
+        ValueError: On every rank, for several model parts, or a load from Hugging Face
+            safetensors (converted by a state dict adapter, so names and dtypes differ).
+    """
+    comm = Comm(group)
+    if not getattr(checkpointer, "enable", False):
+        return Report(world_size=comm.world, notes=["the checkpointer is disabled: nothing loaded"])
+    states = checkpointer.states
+    parts = model_parts if model_parts is not None else states["model"].model
+    if len(parts) != 1:
+        raise ValueError(
+            f"verify_after_load checks one model part, got {len(parts)} (pipeline parallel "
+            "stages hold different keys on different ranks); verify each stage with "
+            "fsdpcheck.verify(part, step_folder, group=<the stage's group>)"
+        )
+    folder, model_only = agree(
+        comm, lambda: _loaded_folder(checkpointer, step), "finding the checkpoint torchtitan loaded"
+    )
+    if folder is None:
+        return Report(world_size=comm.world, notes=["no checkpoint was loaded (a fresh start)"])
+    if model_only == "hf":
+        raise ValueError(
+            f"{folder} was loaded from Hugging Face safetensors through a state dict adapter "
+            "(names and dtypes converted); check the converted model with fsdpcheck.verify "
+            "and a key_map instead"
+        )
+    optimizer = None if model_only else _optimizers(checkpointer, optimizers)
+    report = verify_resumed(parts[0], folder, optimizer=optimizer, group=group, **verify_kwargs)
+    report.notes.insert(0, f"torchtitan loaded {folder}" + (" (model only)" if model_only else ""))
+    return report
+
+
+def _optimizers(checkpointer: Any, optimizers: Any) -> Any:
+    return optimizers if optimizers is not None else checkpointer.states.get("optimizer")
+
+
+def latest_step_folder(folder: str | os.PathLike[str]) -> Path | None:
+    """The ``step-N`` folder with the largest N holding a checkpoint (as torchtitan picks it)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for q in root.iterdir():
+        m = _STEP.fullmatch(q.name)
+        complete = (q / ".metadata").is_file() or (q / "model.safetensors.index.json").is_file()
+        if m and complete and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), q)
+    return best[1] if best else None
+
+
+def _loaded_folder(checkpointer: Any, step: int) -> tuple[Path | None, bool | str]:
+    """(folder, model_only) of what ``load(step)`` read: model_only is True, False or "hf"."""
+    root = Path(checkpointer.folder)
+    found = latest_step_folder(root) if step == -1 else root / f"step-{step}"
+    excluded = "optimizer" in getattr(checkpointer, "exclude_from_loading", [])
+    if found is not None and found.is_dir():
+        n = int(found.name.split("-")[1])
+        return found, (n == 0 or excluded)
+    if step != -1:
+        raise FileNotFoundError(f"{found} does not exist: nothing was loaded from it")
+    initial = getattr(checkpointer, "initial_load_path", None)
+    if getattr(checkpointer, "initial_load_in_hf", False):
+        return Path(initial) if initial else None, "hf"
+    if initial:
+        return Path(initial), bool(checkpointer.initial_load_model_only) or excluded
+    return None, False
+
+
+def write_step_manifest(
+    checkpointer: Any,
+    step: int,
+    *,
+    model_parts: list[torch.nn.Module] | None = None,
+    optimizers: Any = None,
+    group: Any = None,
+) -> Manifest:
+    """Writes fsdpcheck's manifest into ``step-<step>/`` for what ``save(step)`` just wrote.
+
+    Collective. Call it right after a synchronous ``checkpointer.save(step)`` returned True and
+    before the next optimizer step: the fingerprints are of the live state, which then equals
+    what was saved. ``save_manifests`` does this on every save.
+
+    Returns:
+        The manifest (identical on every rank).
+    """
+    comm = Comm(group)
+    parts = model_parts if model_parts is not None else checkpointer.states["model"].model
+    if len(parts) != 1:
+        raise ValueError(f"write_step_manifest handles one model part, got {len(parts)}")
+    optimizer = _optimizers(checkpointer, optimizers)
+    if (
+        getattr(checkpointer, "async_mode", None) is not None
+        and str(getattr(checkpointer.async_mode, "value", checkpointer.async_mode)) != "disabled"
+    ):
+        # The fingerprints are taken now (the state staged for saving); the manifest may only
+        # appear once the folder is complete.
+        checkpointer.maybe_wait_for_saving()
+    where = Path(checkpointer.folder) / f"step-{step}"
+    fps = fingerprint_report(parts[0], optimizer=optimizer, group=group)
+    manifest = agree(comm, lambda: _manifest(where, fps, comm), f"building the manifest of {where}")
+
+    def publish() -> None:
+        if comm.rank == 0:
+            write_manifest(where, manifest)
+
+    agree(comm, publish, f"writing the manifest into {where}")
+    return manifest
+
+
+def save_manifests(checkpointer: Any, *, group: Any = None) -> Any:
+    """Makes ``checkpointer.save`` write fsdpcheck's manifest into every ``step-N`` it writes.
+
+    Wraps the instance's ``save``: after a save that wrote a step folder, every rank
+    fingerprints its shards (one fused pass, one gather) and rank 0 writes
+    ``step-N/fsdpcheck_manifest.json`` (key -> fingerprint, shape, dtype, checkpoint key), so
+    ``verify_after_load``, ``fsdpcheck.load``, ``fsdpcheck audit`` and ``fsdpcheck inspect``
+    check against it. The last-step export (model only, ``export_dtype``, maybe Hugging Face
+    format) is not a resume checkpoint and gets no manifest. With async checkpointing the
+    manifest write waits for that save to finish.
+
+    Returns:
+        The checkpointer (its ``save`` wrapped once; a second call changes nothing).
+    """
+    if not getattr(checkpointer, "enable", False) or getattr(
+        checkpointer.save, "_fsdpcheck_manifest", False
+    ):
+        return checkpointer
+    original = checkpointer.save
+
+    @functools.wraps(original)
+    def save(curr_step: int, last_step: bool = False) -> bool:
+        wrote = original(curr_step, last_step)
+        export = last_step and getattr(checkpointer, "last_save_model_only", False)
+        if wrote and not export:
+            write_step_manifest(checkpointer, curr_step, group=group)
+        return wrote
+
+    save._fsdpcheck_manifest = True  # type: ignore[attr-defined]
+    checkpointer.save = save
+    return checkpointer
