@@ -28,7 +28,7 @@ from fsdpcheck.manifest import Manifest, ManifestEntry, read_manifest, write_man
 from fsdpcheck.report import Report, normalized
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, open_path, open_source
-from fsdpcheck.sources.base import CheckpointError
+from fsdpcheck.sources.base import CheckpointError, one_line
 from fsdpcheck.sources.dcp import DCPSource
 from fsdpcheck.verification import verify as verify_full
 
@@ -397,19 +397,35 @@ def _load_dcp(
             state.update(renamed)
     if not state:
         return
-    dcp_load(
-        state,
-        storage_reader=SafeFileSystemReader(d),
-        planner=SafeLoadPlanner(),
-        process_group=group,
-        no_dist=not comm.enabled,
-    )
+    try:
+        dcp_load(
+            state,
+            storage_reader=SafeFileSystemReader(d),
+            planner=SafeLoadPlanner(),
+            process_group=group,
+            no_dist=not comm.enabled,
+        )
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"loading {d} failed: {_first_failure(exc)}") from None
     if msd is not None:
         set_model_state_dict(model, msd)
     if osd is not None:
         at = next(iter(keys.state.values())).container
         loaded = state[at] if at else state
         set_optimizer_state_dict(model, opt, _unspell(loaded, osd, inverse), options=options)
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line: the first failing rank's error inside torch's CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank]
+        inner = getattr(inner, "exc", inner)  # torch wraps some as _WrappedException
+        return f"on rank {rank}: {one_line(inner)}"
+    return one_line(exc)
 
 
 def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
