@@ -422,8 +422,8 @@ def _first_failure(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         rank = min(failures)
-        inner = failures[rank]
-        inner = getattr(inner, "exc", inner)  # torch wraps some as _WrappedException
+        inner: BaseException = failures[rank]
+        inner = getattr(inner, "exc", None) or inner  # torch wraps some as _WrappedException
         return f"on rank {rank}: {one_line(inner)}"
     return one_line(exc)
 
