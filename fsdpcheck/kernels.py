@@ -7,6 +7,7 @@ the operators read every input exactly once.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,13 @@ SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
     }
 )
 _MASK64 = (1 << 64) - 1
+# Columns of an operator row, bound once from ops.COLUMNS (the one definition in Python).
+_MISMATCHED, _NAN_A, _NAN_E = (ops.COLUMNS[c] for c in ("mismatched", "nan_actual", "nan_expected"))
+_INF_A, _INF_E, _ZEROS = (ops.COLUMNS[c] for c in ("inf_actual", "inf_expected", "zeros"))
+_FP_A, _FP_E = ops.COLUMNS["fingerprint_actual"], ops.COLUMNS["fingerprint_expected"]
+_ABS_DIFF, _ABS_INDEX = ops.COLUMNS["max_abs_diff"], ops.COLUMNS["max_abs_index"]
+_REL_DIFF, _REL_INDEX = ops.COLUMNS["max_rel_diff"], ops.COLUMNS["max_rel_index"]
+_SUM, _SUMSQ = ops.COLUMNS["sum"], ops.COLUMNS["sumsq"]
 
 
 @dataclass(slots=True)
@@ -278,11 +286,13 @@ def _check_tensor(t: object, side: str, i: int, fn: str) -> None:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
+    # A DTensor exists only once torch.distributed.tensor is imported; importing it (through
+    # _compat) just to say "no" would add ~0.6 s to the start-up of callers that never use one.
+    if "torch.distributed.tensor" not in sys.modules:
         return False
-    return isinstance(t, DTensor)
+    from fsdpcheck import _compat
+
+    return _compat.is_dtensor(t)
 
 
 def _check_boxes(boxes: Sequence[Box | None] | None, n: int, fn: str) -> list[Box | None]:
@@ -346,23 +356,24 @@ def _to_diff(
     stats: bool,
 ) -> TensorDiff:
     """One output row of the operator (columns: ops.COLUMNS) as a TensorDiff."""
-    # Positional and with literal columns: this runs once per tensor, often thousands of times.
+    # Positional, with the column numbers bound once at import: this runs once per tensor,
+    # often thousands of times.
     shape = t.shape if box is None else box.shape
-    abs_i, rel_i = words[9], words[11]
+    abs_i, rel_i = words[_ABS_INDEX], words[_REL_INDEX]
     return TensorDiff(
         t.numel(),
-        words[0],
-        words[1],
-        words[2],
-        words[3],
-        words[4],
-        floats[8] if abs_i >= 0 else 0.0,
+        words[_MISMATCHED],
+        words[_NAN_A],
+        words[_NAN_E],
+        words[_INF_A],
+        words[_INF_E],
+        floats[_ABS_DIFF] if abs_i >= 0 else 0.0,
         unravel(abs_i, shape) if abs_i >= 0 else None,
-        floats[10] if rel_i >= 0 else 0.0,
+        floats[_REL_DIFF] if rel_i >= 0 else 0.0,
         unravel(rel_i, shape) if rel_i >= 0 else None,
-        words[6] & _MASK64 if fingerprints else None,
-        words[7] & _MASK64 if fingerprints else None,
-        floats[12] if stats else None,
-        floats[13] if stats else None,
-        words[5] if stats else None,
+        words[_FP_A] & _MASK64 if fingerprints else None,
+        words[_FP_E] & _MASK64 if fingerprints else None,
+        floats[_SUM] if stats else None,
+        floats[_SUMSQ] if stats else None,
+        words[_ZEROS] if stats else None,
     )

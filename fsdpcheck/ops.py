@@ -12,7 +12,6 @@ import torch
 
 from fsdpcheck import _ext  # noqa: F401  (registers the operators)
 
-# NOTE: kernels._to_diff reads these columns by number, for speed; keep the two in step.
 #: Words per output row of ``compare`` (the layout of ``fsdpcheck::Partial`` in elementwise.h).
 ROW_WORDS = 14
 #: Column of each field in a ``compare`` row. Columns in ``FLOAT_COLUMNS`` hold float64 bits.
