@@ -5,8 +5,11 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <cstddef>
 #include <string>
+#include <utility>
 
+#include "fsdpcheck/elementwise.h"
 #include "fsdpcheck/plan.h"
 
 TORCH_LIBRARY(fsdpcheck, m) {
@@ -27,15 +30,39 @@ TORCH_LIBRARY(fsdpcheck, m) {
 
 namespace {
 
+// The word of each field in a compare row, from the struct itself: Python's ops.COLUMNS is
+// tested against this line, so the two cannot drift apart.
+std::string row_layout() {
+  using fsdpcheck::Partial;
+  const std::pair<const char*, size_t> fields[] = {
+      {"mismatched", offsetof(Partial, mismatched)}, {"nan_actual", offsetof(Partial, nan_a)},
+      {"nan_expected", offsetof(Partial, nan_e)},    {"inf_actual", offsetof(Partial, inf_a)},
+      {"inf_expected", offsetof(Partial, inf_e)},    {"zeros", offsetof(Partial, zeros)},
+      {"fingerprint_actual", offsetof(Partial, fp_a)},
+      {"fingerprint_expected", offsetof(Partial, fp_e)},
+      {"max_abs_diff", offsetof(Partial, max_abs)},  {"max_abs_index", offsetof(Partial, max_abs_idx)},
+      {"max_rel_diff", offsetof(Partial, max_rel)},  {"max_rel_index", offsetof(Partial, max_rel_idx)},
+      {"sum", offsetof(Partial, sum)},               {"sumsq", offsetof(Partial, sumsq)},
+  };
+  std::string out = "row\t";
+  for (const auto& [name, offset] : fields) {
+    out += std::string(name) + "=" + std::to_string(offset / sizeof(int64_t)) + " ";
+  }
+  out.back() = '\n';
+  return out;
+}
+
 PyObject* build_info(PyObject*, PyObject*) {
   std::string info = fsdpcheck::backends_summary();
   info += "torch\t" FSDPCHECK_TORCH_VERSION "\n";
+  info += row_layout();
   return PyUnicode_FromStringAndSize(info.data(), static_cast<Py_ssize_t>(info.size()));
 }
 
 PyMethodDef kMethods[] = {
     {"build_info", build_info, METH_NOARGS,
-     "Tab-separated lines: each compiled backend and its details, and the torch built against."},
+     "Tab-separated lines: each compiled backend and its details, the torch built against, and "
+     "the word of each field of a compare row."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "fsdpcheck's compiled operators.", -1,

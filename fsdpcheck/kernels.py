@@ -237,19 +237,24 @@ def build_info() -> dict[str, object]:
 
     Returns:
         A dict with ``backends`` (backend name -> details, e.g. ``{"cpu": "simd=x86-64-v3"}``),
-        ``torch_built_against``, ``torch`` (the running version) and ``cuda_available``.
+        ``torch_built_against``, ``row_layout`` (field -> word of a compare row, read from the
+        C++ struct), ``torch`` (the running version) and ``cuda_available``.
     """
     backends: dict[str, str] = {}
     built_against = ""
+    row: dict[str, int] = {}
     for line in _C.build_info().splitlines():
         name, _, detail = line.partition("\t")
         if name == "torch":
             built_against = detail
+        elif name == "row":
+            row = {f: int(w) for f, _, w in (item.partition("=") for item in detail.split())}
         else:
             backends[name] = detail
     return {
         "backends": backends,
         "torch_built_against": built_against,
+        "row_layout": row,
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
     }

@@ -440,3 +440,12 @@ def test_build_info():
     assert "cpu" in info["backends"]
     assert info["backends"]["cpu"].startswith("simd=")
     assert info["torch_built_against"] == torch.__version__
+
+
+def test_python_row_columns_are_the_cpp_struct_layout():
+    # ops.COLUMNS (what kernels decode) against offsetof(Partial, field) read from the extension.
+    from fsdpcheck import ops
+
+    layout = fsdpcheck.build_info()["row_layout"]
+    assert layout == ops.COLUMNS
+    assert len(layout) == ops.ROW_WORDS
