@@ -43,9 +43,14 @@ def summary(r: fsdpcheck.Report | None) -> dict[str, Any] | None:
     }
 
 
-def setup(rank: int, world: int, shared: Path, saved_by: str | None) -> tuple[dict, None]:
-    # Lightning and torchelastic-style launchers read these; the harness already initialised
-    # the process group, so they join it instead of starting processes.
+def launched_env() -> None:
+    """What torchrun sets: Lightning and HF read it and join the harness's process group.
+
+    (Lightning's teardown removes some of these, so each trainer scenario sets them again.)
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -54,6 +59,10 @@ def setup(rank: int, world: int, shared: Path, saved_by: str | None) -> tuple[di
         LOCAL_WORLD_SIZE=str(world),
         TOKENIZERS_PARALLELISM="false",
     )
+
+
+def setup(rank: int, world: int, shared: Path, saved_by: str | None) -> tuple[dict, None]:
+    launched_env()
     return {}, None
 
 
@@ -135,7 +144,7 @@ def _titan(folder: Path, *, seed: int = 0) -> tuple[Any, Any, Any]:
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
-    model, _ = build("fsdp", int(os.environ["WORLD_SIZE"]), seed=seed)
+    model, _ = build("fsdp", 4, seed=seed)
     opts = OptimizersContainer.Config(
         param_groups=[
             ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
@@ -202,5 +211,129 @@ def torchtitan_no_checkpoint(world: World) -> Any:
     return {"loaded": loaded, "report": summary(report)}
 
 
-def _unused() -> Any:  # keep imports used while scenarios grow
-    return TinyTransformer, local_of, torch
+# -------------------------------------------------------------------------------------------
+# Lightning: Trainer and Fabric with ModelParallelStrategy (FSDP2 over 4 ranks).
+def _batches(n: int = 8) -> Any:
+    g = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 7, (n, 5), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=1)
+
+
+def _lit_module(seed: int, plant_after_load: bool = False) -> Any:
+    import lightning as L
+    from torch.distributed.fsdp import fully_shard
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            self.net = TinyTransformer()
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for b in self.net.blocks:
+                fully_shard(b, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def on_load_checkpoint(self, checkpoint: Any) -> None:
+            # A model hook that changes a weight after the load (re-initialising a layer, a
+            # fix-up gone wrong): rank 1's element (1, 2) of its shard of net.head.weight.
+            if plant_after_load and self.global_rank == 1:
+                with torch.no_grad():
+                    local_of(self.net.head.weight)[1, 2] += 0.5
+
+    return Lit()
+
+
+def _lit_trainer(steps: int, callbacks: list[Any] | None = None) -> Any:
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    launched_env()
+    return L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1),
+        max_steps=steps,
+        callbacks=callbacks or [],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+@scenario(4)
+def lightning_trainer_resume(world: World) -> Any:
+    from fsdpcheck.integrations.lightning import VerifyOnResume
+
+    ckpt = world.workdir / "lit.ckpt"
+    trainer = _lit_trainer(1)
+    trainer.fit(_lit_module(0), _batches())
+    trainer.save_checkpoint(ckpt)
+    out: dict[str, Any] = {"is_dir": ckpt.is_dir()}
+    clean = VerifyOnResume(watch_every=1)
+    _lit_trainer(2, [clean]).fit(_lit_module(1), _batches(), ckpt_path=ckpt)
+    out["clean"] = summary(clean.report)
+    out["watch"] = summary(clean.watch_report)
+    planted = VerifyOnResume()
+    try:
+        _lit_trainer(2, [planted]).fit(
+            _lit_module(2, plant_after_load=True), _batches(), ckpt_path=ckpt
+        )
+        out["raised"] = None
+    except AssertionError as exc:  # VerificationError, raised on every rank
+        out["raised"] = type(exc).__name__
+    out["planted"] = summary(planted.report)
+    return out
+
+
+def _fabric(seed: int) -> tuple[Any, Any, Any]:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["data_parallel"])
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    strategy = ModelParallelStrategy(
+        parallelize_fn=parallelize, data_parallel_size=4, tensor_parallel_size=1
+    )
+    launched_env()
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(seed)
+    model = fabric.setup_module(TinyTransformer())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return fabric, model, opt
+
+
+@scenario(4)
+def lightning_fabric_resume(world: World) -> Any:
+    from fsdpcheck.integrations.lightning import verify_after_load
+
+    fabric, model, opt = _fabric(0)
+    for (x,) in list(_batches(2)):
+        fabric.backward(model(x).sum())
+        opt.step()
+        opt.zero_grad()
+    path = world.workdir / "fabric"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    fabric2, model2, opt2 = _fabric(1)
+    state = {"model": model2, "optimizer": opt2}
+    fabric2.load(path, state)
+    out: dict[str, Any] = {}
+    with unchanged(model2, opt2.optimizer):
+        out["clean"] = summary(verify_after_load(fabric2, path, state))
+    # A wrong shard after the load: one element of rank 2's shard of blocks.0.w2.weight.
+    with plant(model2.blocks[0].w2.weight, (3, 4), delta=0.25, on_rank=2):
+        out["planted"] = summary(verify_after_load(fabric2, path, state))
+    return out

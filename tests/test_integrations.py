@@ -115,3 +115,21 @@ def test_torchtitan_no_manifest_hyperparameters(ranks: list[dict]) -> None:
 def torchtitan_fresh_start_has_nothing_to_verify(r):
     assert r["loaded"] is False
     assert r["report"]["ok"] and "fresh start" in r["report"]["notes"][0]
+
+
+# --- Lightning ----------------------------------------------------------------------------------
+@checks("lightning_trainer_resume")
+def lightning_trainer_resume_is_verified(r):
+    assert r["is_dir"]  # ModelParallelStrategy writes a DCP directory
+    assert r["clean"]["ok"], r["clean"]["text"]
+    assert r["watch"]["ok"], r["watch"]["text"]
+    assert r["raised"] == "VerificationError"
+    assert keys_kinds(r["planted"]) == [("net.head.weight", "value")], r["planted"]["text"]
+    assert r["planted"]["findings"][0][4] == 1  # the rank holding the changed element
+
+
+@checks("lightning_fabric_resume")
+def lightning_fabric_load_is_verified(r):
+    assert r["clean"]["ok"], r["clean"]["text"]
+    assert keys_kinds(r["planted"]) == [("blocks.0.w2.weight", "value")], r["planted"]["text"]
+    assert r["planted"]["findings"][0][4] == 2
