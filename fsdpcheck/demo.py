@@ -67,8 +67,6 @@ def _describe(report: Any) -> str:
 def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
     import torch.distributed as dist
 
-    import fsdpcheck
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = "gloo"
@@ -77,8 +75,30 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
         # NCCL needs a GPU per rank; ranks sharing a GPU talk over gloo.
         backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
+    outcomes = run_rank(Path(out), device)
+    if rank == 0:
+        Path(out, "outcomes.json").write_text(json.dumps([asdict(o) for o in outcomes]))
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out, f"done_{rank}").touch()
+
+
+def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
+    """The demo's rows on this rank, in an initialised default process group (every rank calls it).
+
+    Args:
+        work: An empty directory every rank sees (the checkpoints are written there).
+        device: "cpu" or "cuda" (the current device of this rank).
+
+    Returns:
+        The outcomes, identical on every rank except for their times.
+    """
+    import torch.distributed as dist
+
+    import fsdpcheck
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     outcomes: list[Outcome] = []
-    work = Path(out)
     ck = work / "ckpt"
 
     def row(name: str, expected: str, fn: Callable[[], tuple[str, bool]]) -> None:
@@ -190,12 +210,7 @@ def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
         return "loaded!", False
 
     row("full checkpoint where sharded expected", "refused before loading", full_as_sharded)
-
-    if rank == 0:
-        Path(out, "outcomes.json").write_text(json.dumps([asdict(o) for o in outcomes]))
-    dist.barrier()
-    dist.destroy_process_group()
-    Path(out, f"done_{rank}").touch()
+    return outcomes
 
 
 def run(world: int = 4, device: str = "cpu", timeout: float = 600) -> list[Outcome]:

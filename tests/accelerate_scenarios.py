@@ -1,6 +1,6 @@
 """accelerate's real save_state / load_state with FSDP2 on gloo CPU ranks (see dist_harness).
 
-accelerate only takes its FSDP path on GPUs; on CPU it silently falls back to DDP. The test
+accelerate only takes its FSDP path on GPUs; on CPU it silently falls back to DDP. The setup
 flips its state to FSDP after building the Accelerator (the three assignments in
 `accelerator()`), after which prepare() shards with fully_shard and save_state writes the
 sharded pytorch_model_fsdp_0/ and optimizer_0/ DCP directories, as on GPUs.
@@ -8,17 +8,22 @@ sharded pytorch_model_fsdp_0/ and optimizer_0/ DCP directories, as on GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import fsdpcheck
-from fsdpcheck.demo import VOCAB, TinyTransformer
 from fsdpcheck.integrations.accelerate import verify_state
+from fsdpcheck.testing import VOCAB, TinyTransformer, drop_state, unchanged
+from tests.dist_harness import Registry, World
+
+REGISTRY = Registry()
+scenario = REGISTRY.scenario
 
 
 def accelerator() -> Any:
@@ -44,10 +49,15 @@ def summary(r: fsdpcheck.Report) -> dict[str, Any]:
     }
 
 
-def main(rank: int, world: int, workdir: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+@dataclass
+class Base:
+    acc: Any
+    model: Any  # prepared by accelerate (FSDP2)
+    opt: Any  # accelerate's AcceleratedOptimizer
+    good: Path  # save_state after two steps
 
+
+def setup(rank: int, world: int, shared: Path, saved_by: str | None) -> tuple[dict, Base]:
     acc = accelerator()
     torch.manual_seed(0)
     raw = TinyTransformer()
@@ -57,90 +67,118 @@ def main(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         acc.backward(model(x).sum())
         opt.step()
         opt.zero_grad()
-    good = workdir / "good"
+    good = shared / "good"
     acc.save_state(str(good))
-    out: dict[str, Any] = {"saved": sorted(p.name for p in good.iterdir())}
+    return {"good": good}, Base(acc, model, opt, good)
 
-    def perturb() -> None:
+
+REGISTRY.setup = setup
+REGISTRY.base_state = lambda b: (b.model, b.opt.optimizer)
+REGISTRY.order = 1  # last in a shared spawn: accelerate changes process-wide state
+
+
+def run_world(rank: int, world: int, workdir: Path, shared: str | None = None, only=None) -> dict:
+    """Entry point for dist_harness.run_ranks."""
+    return REGISTRY.run(rank, world, workdir, shared, only)
+
+
+def checked_verify_state(b: Base, path: Path) -> dict[str, Any]:
+    """verify_state, checked read-only."""
+    with unchanged(b.model, b.opt.optimizer):
+        return summary(verify_state(b.acc, path))
+
+
+@contextlib.contextmanager
+def perturbed(model: Any) -> Iterator[None]:
+    """Every parameter doubled (a model that did not get the checkpoint); restored on exit."""
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(2)
+            for p, s in zip(model.parameters(), saved):
+                p.copy_(s)
 
-    def scenario(name: str, fn) -> None:
-        dist.barrier()
+
+@scenario(2)
+def saved(w: World) -> Any:
+    return sorted(p.name for p in w.ckpts["good"].iterdir())
+
+
+@scenario(2)
+def clean(w: World) -> Any:
+    b = w.base
+    with perturbed(b.model):
+        before = checked_verify_state(b, w.ckpts["good"])
+        b.acc.load_state(str(w.ckpts["good"]))
+        after = checked_verify_state(b, w.ckpts["good"])
+    return {"before": before, "after": after}
+
+
+def _without(w: World, fqn: str, name: str) -> Path:
+    """A copy of the good state whose optimizer directory lacks `name` for parameter `fqn`."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    b = w.base
+    d = w.workdir / "state"
+    if w.rank == 0:
+        shutil.copytree(w.ckpts["good"] / "pytorch_model_fsdp_0", d / "pytorch_model_fsdp_0")
+    with drop_state(b.opt.optimizer, b.model.get_parameter(fqn), name):
+        osd = get_optimizer_state_dict(b.model, b.opt.optimizer)
+        dcp_save({"optimizer": osd}, checkpoint_id=str(d / "optimizer_0"))
+    w.barrier()
+    return d
+
+
+@scenario(2)
+def missing_step(w: World) -> Any:
+    # accelerate's own load_state of this directory fails with "RuntimeError: Missing key in
+    # checkpoint state_dict: optimizer.state.blocks.0.w1.weight.step." (and, with gloo, can
+    # take the process down), so it is not called here.
+    return checked_verify_state(w.base, _without(w, "blocks.0.w1.weight", "step"))
+
+
+@scenario(2)
+def dropped_moment(w: World) -> Any:
+    return checked_verify_state(w.base, _without(w, "head.weight", "exp_avg"))
+
+
+@scenario(2)
+def load_and_inspect(w: World) -> Any:
+    from fsdpcheck.cli import inspect_checkpoint
+
+    b = w.base
+    with perturbed(b.model):
+        r = fsdpcheck.load(b.model, w.ckpts["good"], optimizer=b.opt.optimizer, expect="sharded")
+    info = inspect_checkpoint(str(w.ckpts["good"]))
+    return {"load": summary(r), "kind": info["kind"], "format": info["format"],
+            "tensors": len(info["tensors"])}  # fmt: skip
+
+
+@scenario(2)
+def full_then_sharded(w: World) -> Any:
+    b = w.base
+    full = w.workdir / "full"
+    b.acc.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        b.acc.save_state(str(full))
+    finally:
+        b.acc.state.fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT")
+    # accelerate may still be writing the full-state files on another rank when save_state
+    # returns here (every rank writes optimizer.bin): wait for all of them.
+    w.barrier()
+    files = sorted(p.name for p in full.iterdir())
+    with perturbed(b.model):  # the sharded model did not get the full state
+        report = checked_verify_state(b, full)
         try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"__error__": traceback.format_exc()}
-
-    def clean() -> Any:
-        perturb()
-        before = summary(verify_state(acc, good))
-        acc.load_state(str(good))
-        return {"before": before, "after": summary(verify_state(acc, good))}
-
-    def edited(name: str, edit) -> Path:
-        """A copy of the good state whose optimizer directory is rewritten with `edit`."""
-        d = workdir / name
-        if rank == 0:
-            shutil.copytree(good / "pytorch_model_fsdp_0", d / "pytorch_model_fsdp_0")
-        osd = get_optimizer_state_dict(model, opt.optimizer)
-        state = {k: dict(v) for k, v in osd["state"].items()}
-        edit(state)
-        dcp_save({"optimizer": {**osd, "state": state}}, checkpoint_id=str(d / "optimizer_0"))
-        dist.barrier()
-        return d
-
-    def missing_step() -> Any:
-        # accelerate's own load_state of this directory fails with "RuntimeError: Missing key in
-        # checkpoint state_dict: optimizer.state.blocks.0.w1.weight.step." (and, with gloo, can
-        # take the process down), so it is not called here.
-        d = edited("nostep", lambda s: s["blocks.0.w1.weight"].pop("step"))
-        return summary(verify_state(acc, d))
-
-    def dropped_moment() -> Any:
-        d = edited("nomoment", lambda s: s["head.weight"].pop("exp_avg"))
-        return summary(verify_state(acc, d))
-
-    def full_then_sharded() -> Any:
-        full = workdir / "full"
-        acc.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-        try:
-            acc.save_state(str(full))
-        finally:
-            acc.state.fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT")
-        # accelerate may still be writing the full-state files on another rank when save_state
-        # returns here (every rank writes optimizer.bin): wait for all of them.
-        dist.barrier()
-        files = sorted(p.name for p in full.iterdir())
-        perturb()  # the sharded model did not get the full state
-        report = summary(verify_state(acc, full))
-        try:
-            fsdpcheck.load(model, full, optimizer=opt.optimizer, expect="sharded")
+            fsdpcheck.load(b.model, full, optimizer=b.opt.optimizer, expect="sharded")
             refused = None
         except fsdpcheck.CheckpointKindError as exc:
             refused = str(exc)
         # fsdpcheck.load takes it the full way and checks it.
-        loaded = summary(fsdpcheck.load(model, full, expect="full", verify="full"))
-        return {
-            "files": files,
-            "report": report,
-            "refused": refused,
-            "loaded": loaded,
-        }
-
-    def through_load_and_inspect() -> Any:
-        perturb()
-        r = fsdpcheck.load(model, good, optimizer=opt.optimizer, expect="sharded")
-        from fsdpcheck.cli import inspect_checkpoint
-
-        info = inspect_checkpoint(str(good))
-        return {"load": summary(r), "kind": info["kind"], "format": info["format"],
-                "tensors": len(info["tensors"])}  # fmt: skip
-
-    scenario("clean", clean)
-    scenario("missing_step", missing_step)
-    scenario("dropped_moment", dropped_moment)
-    scenario("load_and_inspect", through_load_and_inspect)
-    scenario("full_then_sharded", full_then_sharded)
-    return out
+        loaded = summary(fsdpcheck.load(b.model, full, expect="full", verify="full"))
+    return {"files": files, "report": report, "refused": refused, "loaded": loaded}

@@ -9,7 +9,9 @@ scenario the runner checks that the base models' state is bit-identical to what 
 fails the scenario that changed it.
 
 Spawning ranks costs 5-10 s on two cores, so one spawn runs every scenario of one world size, in
-registry order; the results come back keyed by function name.
+registry order; the results come back keyed by function name. ``Spawns`` (the session fixture
+``spawns`` in conftest.py) goes further: one spawn per world size for all the registries whose
+tests are selected, each running only the selected scenarios.
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ class Registry:
     scenarios: dict[str, Scenario] = field(default_factory=dict)
     setup: Callable[..., tuple[dict[str, Path], Any]] | None = None
     base_state: Callable[[Any], tuple[Any, ...]] = lambda base: ()
+    # The world size whose setup saves what the other world sizes' setups read (None: none).
+    saved_by_world: int | None = None
+    # Where the registry runs inside a shared spawn: lower first (state a library leaves in the
+    # process, such as accelerate's, then cannot reach the others).
+    order: int = 0
 
     def scenario(self, *worlds: int) -> Callable[[Callable[[World], Any]], Callable[[World], Any]]:
         def register(fn: Callable[[World], Any]) -> Callable[[World], Any]:
@@ -92,7 +99,10 @@ class Registry:
 
         assert self.setup is not None
         ckpts, base = self.setup(rank, world, workdir / "shared", shared)
-        out: dict[str, Any] = {"__ckpts__": {k: str(v) for k, v in ckpts.items()}}
+        out: dict[str, Any] = {
+            "__shared__": str(workdir / "shared"),
+            "__ckpts__": {k: str(v) for k, v in ckpts.items()},
+        }
         for name, sc in self.scenarios.items():
             if world not in sc.worlds or (only is not None and name not in only):
                 continue
@@ -114,6 +124,75 @@ class Registry:
             out[name] = {"result": result, "error": error, "seconds": round(seconds, 3)}
             dist.barrier()
         return out
+
+
+def run_registries(rank: int, world: int, workdir: Path, plan: dict[str, dict]) -> dict:
+    """Inside a rank: ``REGISTRY.run`` of each scenarios module in `plan` (module -> kwargs)."""
+    out = {}
+    for module, kwargs in plan.items():
+        registry = importlib.import_module(module).REGISTRY
+        out[module] = registry.run(rank, world, workdir / module.rsplit(".", 1)[-1], **kwargs)
+    return out
+
+
+class Spawns:
+    """One spawn per world size for the scenarios the session's selected tests need.
+
+    A test module takes part by naming its scenarios module in ``SCENARIOS_MODULE`` and
+    parametrizing its per-scenario test over ``case`` = (world size, scenario name); any other
+    test of such a module asks for all of that module's scenarios.
+    """
+
+    def __init__(self, base: Path, items: list[Any]) -> None:
+        self.base = base
+        self.per_world: dict[int, list[dict]] = {}
+        self.wanted: dict[str, dict[int, set[str]] | None] = {}
+        for item in items:
+            module = getattr(getattr(item, "module", None), "SCENARIOS_MODULE", None)
+            if module is None:
+                continue
+            callspec = getattr(item, "callspec", None)
+            if callspec is None or "case" not in callspec.params:
+                self.wanted[module] = None  # a test across scenarios: all of them
+            elif self.wanted.setdefault(module, {}) is not None:
+                world, name = callspec.params["case"]
+                self.wanted[module].setdefault(world, set()).add(name)  # type: ignore[union-attr]
+
+    def _plan(self, world: int) -> dict[str, dict]:
+        plan = []
+        for module, wanted in self.wanted.items():
+            registry = importlib.import_module(module).REGISTRY
+            worlds = {w for w, _ in registry.cases()}
+            if world not in worlds:
+                continue
+            only = None if wanted is None else sorted(wanted.get(world, ()))
+            feeds_others = registry.saved_by_world == world and (
+                wanted is None or any(wanted.get(w) for w in worlds - {world})
+            )
+            if only == [] and not feeds_others:
+                continue
+            kwargs: dict[str, Any] = {"only": only}
+            if registry.saved_by_world not in (None, world):
+                kwargs["shared"] = self.get(registry.saved_by_world)[0][module]["__shared__"]
+            plan.append((registry.order, module, kwargs))
+        return {module: kwargs for _, module, kwargs in sorted(plan, key=lambda p: p[0])}
+
+    def get(self, world: int) -> list[dict]:
+        """Each rank's results at this world size: module -> scenario name -> result."""
+        if world not in self.per_world:
+            plan = self._plan(world)
+            self.per_world[world] = run_ranks(
+                world, "tests.dist_harness:run_registries", self.base / f"w{world}", plan=plan
+            )
+        return self.per_world[world]
+
+    def result(self, module: str, world: int, name: str) -> Any:
+        """Rank 0's result of one scenario, checked as ``scenario_result`` does."""
+        return scenario_result([r[module] for r in self.get(world)], name)
+
+    def per_rank(self, module: str, world: int, name: str) -> list[Any]:
+        """Every rank's result of one scenario (for what differs between ranks)."""
+        return [r[module][name]["result"] for r in self.get(world)]
 
 
 def _worker(rank: int, world: int, port: int, target: str, workdir: str, kwargs: str) -> None:

@@ -1,58 +1,84 @@
-"""fsdpcheck.integrations.accelerate with accelerate's real save_state / load_state (2 ranks)."""
+"""fsdpcheck.integrations.accelerate with accelerate's real save_state / load_state (2 ranks).
+
+The registered scenarios of tests/accelerate_scenarios.py run in the 2-rank spawn (the
+``spawns`` fixture, shared with the other multi-rank tests);
+``test_scenario[<name>]`` checks one: no error on any rank, the ranks agree, its checks hold.
+"""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Callable
+from typing import Any
 
-from tests.dist_harness import run_ranks
+import pytest
 
 pytest.importorskip("accelerate")
 
+from tests.accelerate_scenarios import REGISTRY
+from tests.dist_harness import Spawns
 
-@pytest.fixture(scope="module")
-def acc(tmp_path_factory) -> dict:
-    results = run_ranks(2, "tests.accelerate_scenarios:main", tmp_path_factory.mktemp("acc"))
-    for name, v in results[0].items():
-        if isinstance(v, dict) and "__error__" in v:
-            raise AssertionError(f"{name} raised:\n{v['__error__']}")
-    assert results[0] == results[1], "the ranks disagree"
-    return results[0]
+SCENARIOS_MODULE = "tests.accelerate_scenarios"
+CASES = REGISTRY.cases()
 
 
-def test_accelerate_wrote_sharded_state(acc):
-    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(acc["saved"])
+CHECKS: dict[str, Callable[[Any], None]] = {}
 
 
-def test_clean_load_state_verifies(acc):
-    assert not acc["clean"]["before"]["ok"]  # perturbed: every parameter differs
-    after = acc["clean"]["after"]
+def checks(name: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    def register(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        assert name in REGISTRY.scenarios, f"no scenario named {name}"
+        CHECKS[name] = fn
+        return fn
+
+    return register
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"w{w}-{n}" for w, n in CASES])
+def test_scenario(case: tuple[int, str], spawns: Spawns) -> None:
+    world, name = case
+    CHECKS[name](spawns.result(SCENARIOS_MODULE, world, name))
+
+
+def test_every_scenario_is_checked() -> None:
+    assert set(CHECKS) == set(REGISTRY.scenarios)
+
+
+@checks("saved")
+def accelerate_wrote_sharded_state(saved):
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(saved)
+
+
+@checks("clean")
+def clean_load_state_verifies(r):
+    assert not r["before"]["ok"]  # perturbed: every parameter differs
+    after = r["after"]
     assert after["ok"], after["text"]
     assert after["keys"] == 13 * 4  # parameters + exp_avg, exp_avg_sq, step
 
 
-def test_missing_optimizer_step(acc):
-    r = acc["missing_step"]
+@checks("missing_step")
+def missing_optimizer_step(r):
     assert [(k, kind) for k, kind, _ in r["findings"]] == [
         ("optim.state.blocks.0.w1.weight.step", "missing")
     ]
 
 
-def test_dropped_optimizer_moment(acc):
-    r = acc["dropped_moment"]
+@checks("dropped_moment")
+def dropped_optimizer_moment(r):
     assert [(k, kind) for k, kind, _ in r["findings"]] == [
         ("optim.state.head.weight.exp_avg", "missing")
     ]
 
 
-def test_load_and_inspect_recognise_the_directory(acc):
-    li = acc["load_and_inspect"]
+@checks("load_and_inspect")
+def load_and_inspect_recognise_the_directory(li):
     assert li["load"]["ok"], li["load"]["text"]
     assert li["kind"] == "sharded" and "accelerate" in li["format"]
     assert li["tensors"] == 52
 
 
-def test_state_saved_full_then_loaded_sharded(acc):
-    f = acc["full_then_sharded"]
+@checks("full_then_sharded")
+def state_saved_full_then_loaded_sharded(f):
     assert "pytorch_model_fsdp.bin" in f["files"] and "optimizer.bin" in f["files"]
     # The sharded model never got the full state: every parameter is a clear value finding.
     assert not f["report"]["ok"]

@@ -1,79 +1,37 @@
 """fsdpcheck.verify on gloo CPU ranks: FSDP2, HSDP, 2D, DDP, FSDP1, resharding, every reference.
 
 The scenarios are registered functions in tests/verify_scenarios.py; one spawn per world size
-runs those the selected tests need. ``test_scenario[w4-one_element]`` checks that scenario: it ran
-without an error on every rank, every rank got the same result, and its checks (registered here
-under the scenario's name) hold.
+(the ``spawns`` fixture) runs those the selected tests need. ``test_scenario[w4-one_element]``
+checks that scenario: it ran without an error on every rank, every rank got the same result, and
+its checks (registered here under the scenario's name) hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.dist_harness import run_ranks, scenario_result
+from tests.dist_harness import Spawns
 from tests.verify_scenarios import REGISTRY
 
+SCENARIOS_MODULE = "tests.verify_scenarios"
 CASES = REGISTRY.cases()
-
-
-class Runs:
-    """Spawns each world size once, on first use, running only the scenarios selected."""
-
-    def __init__(self, base: Path, wanted: dict[int, set[str]] | None) -> None:
-        self.base = base
-        self.wanted = wanted
-        self.per_world: dict[int, list[dict]] = {}
-
-    def get(self, world: int) -> list[dict]:
-        if world not in self.per_world:
-            # Worlds other than 4 load the checkpoint the world-4 setup saved.
-            shared = None if world == 4 else str(Path(self.get(4)[0]["__ckpts__"]["fsdp4"]).parent)
-            only = None if self.wanted is None else sorted(self.wanted.get(world, ()))
-            self.per_world[world] = run_ranks(
-                world,
-                "tests.verify_scenarios:run_world",
-                self.base / f"w{world}",
-                shared=shared,
-                only=only,
-            )
-        return self.per_world[world]
-
-    def result(self, world: int, name: str) -> Any:
-        return scenario_result(self.get(world), name)
-
-
-def _wanted(session: pytest.Session) -> dict[int, set[str]] | None:
-    """The scenarios the selected tests of this module need (None: all of them)."""
-    wanted: dict[int, set[str]] = {}
-    for item in session.items:
-        if Path(str(item.fspath)).name != Path(__file__).name:
-            continue
-        callspec = getattr(item, "callspec", None)
-        if callspec is None or "case" not in callspec.params:
-            return None  # a test across scenarios: run everything
-        world, name = callspec.params["case"]
-        wanted.setdefault(world, set()).add(name)
-    return wanted
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, request) -> Runs:
-    return Runs(tmp_path_factory.mktemp("verify"), _wanted(request.session))
 
 
 @dataclass
 class Case:
     world: int
     name: str
-    runs: Runs
+    spawns: Spawns
 
     def on_rank(self, rank: int) -> Any:
-        return self.runs.get(self.world)[rank][self.name]["result"]
+        return self.spawns.per_rank(SCENARIOS_MODULE, self.world, self.name)[rank]
+
+    def other(self, world: int, name: str) -> Any:
+        return self.spawns.result(SCENARIOS_MODULE, world, name)
 
 
 CHECKS: dict[str, Callable[[Any, Case], None]] = {}
@@ -89,9 +47,9 @@ def checks(name: str) -> Callable[[Callable[[Any, Case], None]], Callable[[Any, 
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{w}-{n}" for w, n in CASES])
-def test_scenario(case: tuple[int, str], runs: Runs) -> None:
+def test_scenario(case: tuple[int, str], spawns: Spawns) -> None:
     world, name = case
-    CHECKS[name](runs.result(world, name), Case(world, name, runs))
+    CHECKS[name](spawns.result(SCENARIOS_MODULE, world, name), Case(world, name, spawns))
 
 
 def test_every_scenario_is_checked() -> None:
@@ -196,7 +154,7 @@ def every_reference_kind_passes_clean(r, case):
 @checks("small_budget")
 def tiny_memory_budget_reads_in_pieces_and_passes(r, case):
     assert r["ok"], r["text"]
-    assert r["elements_checked"] == case.runs.result(4, "clean")["elements_checked"]
+    assert r["elements_checked"] == case.other(4, "clean")["elements_checked"]
 
 
 @checks("unreadable")
@@ -334,4 +292,11 @@ def planted_after_resharding_found_on_the_last_rank(r, case):
 
 @checks("reshard_fingerprints")
 def loaded_at_another_world_size_the_same_fingerprints(fps, case):
-    assert fps == case.runs.result(4, "fp_layouts")["fsdp"]
+    assert fps == case.other(4, "fp_layouts")["fsdp"]
+
+
+@checks("demo_outcomes")
+def demo_rows_as_expected_at_this_world_size(rows, case):
+    assert len(rows) == 9
+    assert [r for r in rows if not r["ok"]] == []
+    assert rows[0]["scenario"].startswith(f"save FSDP2 x{case.world}, reload on")

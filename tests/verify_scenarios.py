@@ -130,6 +130,7 @@ def setup(rank: int, world: int, shared: Path, saved_by: str | None) -> tuple[di
 
 REGISTRY.setup = setup
 REGISTRY.base_state = lambda b: (b.model, b.opt, b.full, b.fresh, b.fopt)
+REGISTRY.saved_by_world = 4
 
 
 def run_world(rank: int, world: int, workdir: Path, shared: str | None = None, only=None) -> dict:
@@ -526,3 +527,13 @@ def reshard_planted(w: World) -> Any:
 @scenario(2, 3)
 def reshard_fingerprints(w: World) -> Any:
     return hexes(fingerprint(w.base.fresh, w.base.fopt))
+
+
+# --- the embedded demo's rows (its command line: tests/test_demo.py) ---------------------------
+@scenario(2, 3, 4)
+def demo_outcomes(w: World) -> Any:
+    """The demo's rows at 2 ranks (shards of 52 and 51 rows swapped), 3 (a 3x1 2D mesh), 4."""
+    from fsdpcheck import demo
+
+    rows = demo.run_rank(w.workdir)
+    return [{"scenario": o.scenario, "found": o.found, "ok": o.ok} for o in rows]

@@ -119,8 +119,11 @@ def flip_bit(
             f"{8 * size} (got {local.dtype}, bit {bit}, contiguous={local.is_contiguous()})"
         )
     bits = local.detach().view(-1).view(_BITS_OF[size])
-    mask = torch.tensor(1 << bit, dtype=torch.int64).to(_BITS_OF[size])
-    bits[index] ^= mask  # a tensor mask: 1 << 63 does not fit a Python int64 scalar op
+    value = 1 << bit
+    if size > 1 and bit == 8 * size - 1:
+        value -= 1 << (8 * size)  # the sign bit of a signed integer: two's complement
+    mask = torch.tensor(value, dtype=_BITS_OF[size], device=local.device)
+    bits[index] ^= mask
     try:
         yield
     finally:
