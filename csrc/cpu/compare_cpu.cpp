@@ -10,9 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -405,30 +403,11 @@ std::vector<Partial> run_plans(const std::vector<TensorPlan>& plans, const Optio
   const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t workers = std::min({max_threads, std::max<int64_t>(1, total_elements / kMinElementsPerThread),
                                     std::max<int64_t>(1, total_chunks)});
-  if (workers <= 1) {
-    work(0, total_chunks);
-  } else {
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
-    for (int64_t w = 1; w < workers; ++w) {
-      threads.emplace_back([&, w] {
-        try {
-          work(total_chunks * w / workers, total_chunks * (w + 1) / workers);
-        } catch (...) {
-          errors[static_cast<size_t>(w)] = std::current_exception();
-        }
-      });
-    }
-    try {
-      work(0, total_chunks / workers);
-    } catch (...) {
-      errors[0] = std::current_exception();
-    }
-    for (std::thread& th : threads) th.join();
-    for (const std::exception_ptr& err : errors) {
-      if (err) std::rethrow_exception(err);
-    }
-  }
+  // NOTE: [chunk workers] at::parallel_for runs on torch's intra-op pool (no thread start-up per
+  // call) and rethrows a worker's exception here. Each chunk writes only its own partial and the
+  // second phase combines them in chunk order, so the result does not depend on the split.
+  const int64_t grain = std::max<int64_t>(1, (total_chunks + workers - 1) / workers);
+  at::parallel_for(0, total_chunks, grain, work);
 
   // Second phase: combine each tensor's chunk partials in chunk order (fixed, so deterministic).
   std::vector<Partial> out(n);
