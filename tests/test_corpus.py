@@ -26,10 +26,10 @@ DIST_LAYOUTS = ("dcp", "torchtitan", "lightning", "accelerate", "deepspeed", "me
 SAME_NAMES = ("transformers", "torchtitan", "accelerate", "dcp", "lightning")
 
 
-def _torchrun(module: str, *args: str, timeout: float = 300) -> None:
+def _torchrun(module: str, *args: str, timeout: float = 180) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", "0", "-m", module, *args]
+    cmd += ["--standalone", "-m", module, *args]  # --standalone: a free port of its own
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{module} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
