@@ -337,3 +337,79 @@ def lightning_fabric_resume(world: World) -> Any:
     with plant(model2.blocks[0].w2.weight, (3, 4), delta=0.25, on_rank=2):
         out["planted"] = summary(verify_after_load(fabric2, path, state))
     return out
+
+
+# -------------------------------------------------------------------------------------------
+# Hugging Face Trainer (DDP over 4 gloo ranks) with a tiny random Llama.
+def _hf_trainer(out: Path, steps: int, callbacks: list[Any], seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    launched_env()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 61, (16, 8), generator=g)
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        save_steps=2,
+        save_strategy="steps",
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=seed,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+    )
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+@scenario(4)
+def transformers_resume(world: World) -> Any:
+    from safetensors.torch import load_file, save_file
+
+    from fsdpcheck.integrations.transformers import VerifyOnResume
+
+    out_dir = world.workdir / "run"
+    _hf_trainer(out_dir, 2, [VerifyOnResume()], seed=0).train()
+    ckpt = out_dir / "checkpoint-2"
+    out: dict[str, Any] = {"files": sorted(p.name for p in ckpt.iterdir())}
+    clean = VerifyOnResume(watch_every=1)
+    _hf_trainer(out_dir, 3, [clean], seed=1).train(resume_from_checkpoint=True)
+    out["clean"] = summary(clean.report)
+    out["watch"] = summary(clean.watch_report)
+    # One value of the saved weights changed on disk (rank 0 rewrites the file).
+    weights = ckpt / "model.safetensors"
+    original = weights.read_bytes()
+    if world.rank == 0:
+        tensors = load_file(weights)
+        tensors["model.layers.0.mlp.up_proj.weight"][5, 3] += 0.125
+        save_file(tensors, weights, metadata={"format": "pt"})
+    world.barrier()
+    planted = VerifyOnResume(checkpoint=ckpt)
+    try:
+        _hf_trainer(world.workdir / "run2", 3, [planted], seed=2).train(
+            resume_from_checkpoint=str(ckpt)
+        )
+        out["raised"] = None
+    except AssertionError as exc:  # VerificationError, on every rank, before any step
+        out["raised"] = type(exc).__name__
+    finally:
+        world.barrier()
+        if world.rank == 0:
+            weights.write_bytes(original)
+        world.barrier()
+    out["planted"] = summary(planted.report)
+    return out

@@ -133,3 +133,16 @@ def lightning_fabric_load_is_verified(r):
     assert r["clean"]["ok"], r["clean"]["text"]
     assert keys_kinds(r["planted"]) == [("blocks.0.w2.weight", "value")], r["planted"]["text"]
     assert r["planted"]["findings"][0][4] == 2
+
+
+# --- Hugging Face Trainer --------------------------------------------------------------------
+@checks("transformers_resume")
+def transformers_resume_is_verified(r):
+    assert {"model.safetensors", "optimizer.pt", "fsdpcheck_manifest.json"} <= set(r["files"])
+    assert r["clean"]["ok"], r["clean"]["text"]
+    assert any("manifest" in n for n in r["clean"]["notes"])
+    assert r["watch"]["ok"], r["watch"]["text"]
+    assert r["raised"] == "VerificationError"
+    assert keys_kinds(r["planted"]) == [("model.layers.0.mlp.up_proj.weight", "value")], r[
+        "planted"
+    ]["text"]

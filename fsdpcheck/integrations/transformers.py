@@ -1,0 +1,235 @@
+"""Hugging Face ``transformers.Trainer``: verify what ``resume_from_checkpoint`` restored.
+
+Example::
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[VerifyOnResume(watch_every=100)])
+    trainer.train(resume_from_checkpoint=True)
+
+At each save the callback writes fsdpcheck's manifest into ``checkpoint-N/`` (one fingerprint
+pass over every rank's shards); at ``on_train_begin`` of a resumed run, after the Trainer
+restored the weights and the optimizer, every rank checks its shards against that manifest,
+or, for a checkpoint without one, ``fsdpcheck.verify`` against its files (``model.safetensors``
+or the sharded index, ``pytorch_model_fsdp_0/`` under FSDP, and ``optimizer.pt`` /
+``optimizer_0/``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+from fsdpcheck import _version, matching
+from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.fingerprints import fingerprint_report
+from fsdpcheck.formats import is_dcp_dir
+from fsdpcheck.manifest import Manifest, ManifestEntry, write_manifest
+from fsdpcheck.report import Report
+from fsdpcheck.sources import open_source
+from fsdpcheck.watch import ReplicaWatch, verify_resumed
+
+__all__ = ["ON_FAILURE", "VerifyOnResume", "checkpoint_files"]
+
+log = logging.get_logger(__name__)
+ON_FAILURE = ("raise", "stop", "warn")
+_MODEL_FILES = (
+    "pytorch_model_fsdp_0",
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin",
+)
+_OPTIMIZER_FILES = ("optimizer_0", "optimizer.pt", "optimizer.bin")
+
+
+def checkpoint_files(folder: str | os.PathLike[str], optimizer: bool = True) -> list[Path]:
+    """The model (and optimizer) files of a Trainer ``checkpoint-N`` folder, model first.
+
+    Raises:
+        FileNotFoundError: The folder holds no model checkpoint the Trainer writes.
+    """
+    root = Path(folder)
+    names = (_MODEL_FILES, _OPTIMIZER_FILES) if optimizer else (_MODEL_FILES,)
+    out = []
+    for i, candidates in enumerate(names):
+        found = next(
+            (root / n for n in candidates if is_dcp_dir(root / n) or (root / n).is_file()), None
+        )
+        if found is None and i == 0:
+            raise FileNotFoundError(f"{root} holds no model checkpoint ({', '.join(_MODEL_FILES)})")
+        if found is not None:
+            out.append(found)
+    return out
+
+
+class VerifyOnResume(TrainerCallback):
+    """Verifies the model and optimizer after ``trainer.train(resume_from_checkpoint=...)``.
+
+    Args:
+        checkpoint: The folder resumed from. Default: ``args.resume_from_checkpoint``, else
+            ``<output_dir>/checkpoint-<global_step>`` of the restored state (what
+            ``resume_from_checkpoint=True`` picks).
+        on_failure: "raise" (``VerificationError`` on every rank before any step on wrong
+            weights), "stop" (log the report, ``control.should_training_stop``) or "warn".
+        check_optimizer: Check the optimizer state too.
+        write_manifest: At each save, write fsdpcheck's manifest into the checkpoint folder, so
+            a resume is checked by fingerprint (also against changes on disk).
+        watch_every: Run a ``ReplicaWatch`` every this many optimizer steps (None: no watch).
+        **verify_kwargs: Passed to ``fsdpcheck.verify`` (rtol, atol, ignore, memory_budget...).
+
+    Attributes:
+        report: The resume check's Report (None when the run did not resume).
+        watch_report: The latest ReplicaWatch Report.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str] | None = None,
+        *,
+        on_failure: str = "raise",
+        check_optimizer: bool = True,
+        write_manifest: bool = True,
+        watch_every: int | None = None,
+        **verify_kwargs: Any,
+    ) -> None:
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {ON_FAILURE}, not {on_failure!r}")
+        self.checkpoint = checkpoint
+        self.on_failure = on_failure
+        self.check_optimizer = check_optimizer
+        self.write_manifest = write_manifest
+        self.watch_every = watch_every
+        self.verify_kwargs = verify_kwargs
+        self.report: Report | None = None
+        self.watch_report: Report | None = None
+        self._watch: ReplicaWatch | None = None
+
+    def on_train_begin(  # noqa: D102
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **_: Any,
+    ) -> None:
+        optimizer = optimizer if self.check_optimizer else None
+        if self.watch_every is not None:
+            self._watch = ReplicaWatch(model, optimizer, every=self.watch_every)
+        folder = self._resumed_from(args, state)
+        if folder is None:
+            return
+        files = checkpoint_files(folder, optimizer is not None)
+        if optimizer is not None and len(files) == 1:
+            raise FileNotFoundError(
+                f"{folder} holds no optimizer state ({', '.join(_OPTIMIZER_FILES)}); pass "
+                "VerifyOnResume(check_optimizer=False) to check the model only"
+            )
+        self.report = verify_resumed(
+            model, folder, optimizer=optimizer, files=files, **self.verify_kwargs
+        )
+        self._handle(state, control, self.report, f"resume from {folder}")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:  # noqa: D102
+        if self._watch is None:
+            return
+        report = self._watch.step()
+        if report is not None:
+            self.watch_report = report
+            self._handle(state, control, report, f"replica watch at step {state.global_step}")
+
+    def on_save(  # noqa: D102
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **_: Any,
+    ) -> None:
+        if not self.write_manifest:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        optimizer = optimizer if self.check_optimizer else None
+        write_folder_manifest(model, folder, optimizer=optimizer)
+
+    def _resumed_from(self, args: Any, state: Any) -> Path | None:
+        if self.checkpoint is not None:
+            return Path(self.checkpoint)
+        given = getattr(args, "resume_from_checkpoint", None)
+        if isinstance(given, (str, os.PathLike)) and given:
+            return Path(given)
+        if state.global_step > 0:
+            guess = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if not guess.is_dir():
+                raise FileNotFoundError(
+                    f"the run resumed at step {state.global_step} but {guess} does not exist; "
+                    "pass VerifyOnResume(checkpoint=<the folder resumed from>)"
+                )
+            return guess
+        return None
+
+    def _handle(self, state: Any, control: Any, report: Report, what: str) -> None:
+        if report.ok:
+            if state.is_world_process_zero:
+                log.info(f"fsdpcheck: {what}: {report.summary()}")
+            return
+        if self.on_failure == "raise":
+            report.raise_if_failed()
+        if state.is_world_process_zero:
+            log.error(f"fsdpcheck: {what} failed:\n{report}")
+        if self.on_failure == "stop":
+            control.should_training_stop = True
+
+
+def write_folder_manifest(
+    model: Any, folder: str | os.PathLike[str], *, optimizer: Any = None, group: Any = None
+) -> Manifest:
+    """Writes fsdpcheck's manifest of the live model (and optimizer) into a checkpoint folder.
+
+    Collective. Call it right after the folder was written and before the next optimizer step,
+    so that the live state is what was saved.
+    """
+    comm = Comm(group)
+    root = Path(folder)
+    fps = fingerprint_report(model, optimizer=optimizer, group=group)
+
+    def build() -> Manifest:
+        files = checkpoint_files(root, optimizer is not None)
+        source = open_source(files)
+        try:
+            keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        finally:
+            source.close()
+        by_name = {r.name: r.key for r in keys.tensors()}
+        return Manifest(
+            kind="sharded" if is_dcp_dir(files[0]) else "full",
+            storage="dcp" if is_dcp_dir(files[0]) else files[0].suffix.lstrip("."),
+            world_size=comm.world,
+            entries={
+                name: ManifestEntry(
+                    by_name.get(name, name),
+                    tuple(lay.global_shape),
+                    str(lay.dtype).removeprefix("torch."),
+                    fps.fingerprints.get(name),
+                )
+                for name, lay in sorted(fps.layouts.items())
+            },
+            torch=torch.__version__,
+            fsdpcheck=_version.__version__,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            tied=dict(fps.tied),
+            findings_at_save=[f.describe() for f in fps.findings],
+        )
+
+    manifest = agree(comm, build, f"building the fsdpcheck manifest of {root}")
+    agree(
+        comm,
+        lambda: write_manifest(root, manifest) if comm.rank == 0 else None,
+        f"writing the fsdpcheck manifest into {root}",
+    )
+    return manifest
