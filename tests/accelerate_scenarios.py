@@ -149,7 +149,7 @@ def dropped_moment(w: World) -> Any:
 
 @scenario(2)
 def load_and_inspect(w: World) -> Any:
-    from fsdpcheck.cli import inspect_checkpoint
+    from fsdpcheck.inspection import inspect_checkpoint
 
     b = w.base
     with perturbed(b.model):

@@ -461,8 +461,8 @@ def save_load(w: World) -> Any:
     full_load = report(fsdpcheck.load(m3, full_path, expect="full"))
     trained = {k: v for k, v in fingerprint(b.model).items() if not k.startswith("optim.")}
     return {
-        "manifest_world": manifest["world_size"],
-        "manifest_meshes": manifest["meshes"],
+        "manifest_world": manifest.world_size,
+        "manifest_meshes": manifest.meshes,
         "clean": clean_r,
         "corrupted": corrupted,
         "refused": refused,
@@ -479,8 +479,7 @@ def one_rank_fails(w: World) -> Any:
     from unittest import mock
 
     b = w.base
-    # The modules (fsdpcheck.verify is also the name of the function the package exports).
-    vmod = importlib.import_module("fsdpcheck.verify")
+    vmod = importlib.import_module("fsdpcheck.verification")
     ckmod = importlib.import_module("fsdpcheck.checkpoint")
 
     def unreadable(*_: Any) -> Any:
