@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from fsdpcheck import matching
 from fsdpcheck.box import Box
 from fsdpcheck.collectives import KeyStats
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare
-from fsdpcheck.readplan import row_blocks
+from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
-from fsdpcheck.sources import Region, Source, open_source
+from fsdpcheck.sources import Entry, Region, Source, open_source
+from fsdpcheck.sources.prefetch import Prefetcher
 from fsdpcheck.tolerances import tolerance
 
 Progress = Callable[[int, int], None]
@@ -110,7 +112,11 @@ def _compare(
     rows = m.rows()
     status = {r.a: r for r in rows if r.status == "compared"}
     total = sum(_nbytes(a.entry) + _nbytes(b.entry) for _, a, b in m.pairs)
-    done = 0
+    # Every pair's row blocks, then batches of blocks: one kernel call per batch (per
+    # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
+    # Two batches are in flight, so each holds at most half the budget (both sides).
+    compared: list[tuple[str, Entry, Entry, tuple[float, float]]] = []
+    blocks: list[_Block] = []
     for name, a, b in m.pairs:
         ea, eb = a.entry, b.entry
         if name in bad:
@@ -128,25 +134,51 @@ def _compare(
         assert ea.dtype is not None and eb.dtype is not None
         if ea.dtype != eb.dtype:
             findings.append(Finding(name, "dtype", f"{ea.dtype} in actual, {eb.dtype} in expected"))
-        rt, at = tolerance(ea.dtype, eb.dtype, rtol, atol)
-        stats = KeyStats()
-        itemsize = max(ea.dtype.itemsize, eb.dtype.itemsize)
-        for off, size in row_blocks((0,) * len(ea.shape), ea.shape, itemsize, budget // 2):
-            (xa,) = sa.read([Region(a.key, off, size)], dev)
-            (xb,) = sb.read([Region(b.key, off, size)], dev)
-            box = Box(ea.shape, off)
-            (d,) = compare(
-                [xa], [xb], rtol=rt, atol=at, equal_nan=equal_nan, boxes=[box], fingerprints=False
+        tol = tolerance(ea.dtype, eb.dtype, rtol, atol)
+        i = len(compared)
+        compared.append((name, ea, eb, tol))
+        both = ea.dtype.itemsize + eb.dtype.itemsize
+        for off, size in row_blocks((0,) * len(ea.shape), ea.shape, both, budget // 2):
+            blocks.append(
+                _Block(
+                    i,
+                    Region(a.key, off, size),
+                    Region(b.key, off, size),
+                    Box(ea.shape, off),
+                    math.prod(size) * both,
+                )
             )
-            stats.add(d, box)
-            done += math.prod(size) * (ea.dtype.itemsize + eb.dtype.itemsize)
-            if progress is not None:
-                progress(done, total)
-        report.elements_checked += stats.numel
+    stats = [KeyStats() for _ in compared]
+    done = 0
+    plan = (
+        (batch, [(sa, [w.ra for w in batch]), (sb, [w.rb for w in batch])])
+        for batch in batches(blocks, lambda w: w.nbytes, budget // 2)
+    )
+    for batch, (xa, xb) in Prefetcher(dev).run(plan):
+        groups: dict[tuple[float, float], list[int]] = {}
+        for j, w in enumerate(batch):
+            groups.setdefault(compared[w.pair][3], []).append(j)
+        for (rt, at), idx in groups.items():
+            diffs = compare(
+                [xa[j] for j in idx],
+                [xb[j] for j in idx],
+                rtol=rt,
+                atol=at,
+                equal_nan=equal_nan,
+                boxes=[batch[j].box for j in idx],
+                fingerprints=False,
+            )
+            for j, d in zip(idx, diffs):
+                stats[batch[j].pair].add(d, batch[j].box)
+        done += sum(w.nbytes for w in batch)
+        if progress is not None:
+            progress(done, total)
+    for (name, ea, eb, (rt, at)), st in zip(compared, stats):
+        report.elements_checked += st.numel
         report.bytes_read += _nbytes(ea) + _nbytes(eb)
         report.keys_checked += 1
-        if stats.mismatched:
-            f = Finding.value(name, stats, ea.shape, rtol=rt, atol=at, with_ranks=False)
+        if st.mismatched:
+            f = Finding.value(name, st, ea.shape, rtol=rt, atol=at, with_ranks=False)
             f.message = f.message.replace("on the checked side", "in actual")
             f.message = f.message.replace("in the reference", "in expected")
             findings.append(f)
@@ -154,6 +186,17 @@ def _compare(
     report.findings = normalized(findings)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A row block of one compared pair: its region on each side and its global box."""
+
+    pair: int
+    ra: Region
+    rb: Region
+    box: Box
+    nbytes: int
 
 
 def _skip(status: dict[str | None, MappingRow], name: str, reason: str) -> None:

@@ -24,9 +24,10 @@ from fsdpcheck.kernels import SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import live_state
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.readplan import row_blocks
+from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, open_source
+from fsdpcheck.sources.prefetch import Prefetcher
 
 
 class FingerprintError(ValueError):
@@ -286,10 +287,13 @@ def _manifest_ties(path: Any) -> dict[str, str]:
 
 
 def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict[str, int]:
+    """Hashes every chunk at its global offset, reading the next batch while this one is hashed.
+
+    Two batches are in flight (NOTE: [prefetch]), so each holds at most half the budget.
+    """
     entries = source.entries()
     out: dict[str, int] = {}
-    batch: list[tuple[str, Region]] = []
-    held = 0
+    work: list[tuple[str, Region]] = []
     for ckpt_key, name in names.items():
         entry = entries[ckpt_key]
         if entry.dtype not in SUPPORTED_DTYPES:
@@ -299,16 +303,15 @@ def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict
         for offset, size in source.chunks(ckpt_key):
             if math.prod(size) == 0 and len(size) > 0:
                 continue
-            for off, sz in row_blocks(offset, size, itemsize, budget):
-                region = Region(ckpt_key, off, sz)
-                nbytes = region.numel * itemsize
-                if batch and held + nbytes > budget:
-                    _hash_batch(source, batch, names, out)
-                    batch, held = [], 0
-                batch.append((ckpt_key, region))
-                held += nbytes
-    if batch:
-        _hash_batch(source, batch, names, out)
+            for off, sz in row_blocks(offset, size, itemsize, budget // 2):
+                work.append((ckpt_key, Region(ckpt_key, off, sz)))
+
+    def nbytes(w: tuple[str, Region]) -> int:
+        return w[1].numel * entries[w[0]].dtype.itemsize  # type: ignore[union-attr]
+
+    plan = ((b, [(source, [r for _, r in b])]) for b in batches(work, nbytes, budget // 2))
+    for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
+        _hash_batch(source, batch, tensors, names, out)
     return out
 
 
@@ -319,10 +322,13 @@ def checkpoint_key_names(source: Source) -> dict[str, str]:
 
 
 def _hash_batch(
-    source: Source, batch: list[tuple[str, Region]], names: dict[str, str], out: dict[str, int]
+    source: Source,
+    batch: list[tuple[str, Region]],
+    tensors: list[torch.Tensor],
+    names: dict[str, str],
+    out: dict[str, int],
 ) -> None:
-    regions = [r for _, r in batch]
-    tensors = source.read(regions, torch.device("cpu"))
+    """Adds the fingerprints of one batch of regions (already read) to their keys' sums."""
     entries = source.entries()
     boxes = [Box(entries[k].shape, r.offset) for k, r in batch]
     for (key, _), fp in zip(batch, fingerprint_tensors(tensors, boxes=boxes)):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def row_blocks(
@@ -40,13 +43,15 @@ class Arena:
 
     NOTE: [arena] Allocating fresh buffers for every batch costs a page fault per 4 KiB on the
     CPU (more than the comparison itself) and allocator churn on the GPU; one buffer of at most
-    the memory budget, reused, costs that once.
+    the memory budget, reused, costs that once. Host buffers start on a page boundary (byte-range
+    reads land on whole pages) and can be page-locked (`pin`) for asynchronous copies to a GPU.
     """
 
     _ALIGN = 64  # bytes: keeps every region 16-byte aligned for vector loads
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = False) -> None:
         self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.pin = pin
 
     def carve(
         self, device: torch.device, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
@@ -57,10 +62,30 @@ class Arena:
         buf = self.buffers.get(device)
         if buf is None or buf.numel() < total:
             self.buffers.pop(device, None)  # free the old one first
-            buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            if device.type == "cpu":
+                from fsdpcheck.sources.rawio import aligned_empty
+
+                buf = aligned_empty(max(total, 1), pin=self.pin)
+            else:
+                buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
             self.buffers[device] = buf
         out, off = [], 0
         for (shape, dtype), n in zip(specs, sizes):
             out.append(buf[off : off + n].view(dtype).view(shape))
             off += -(-n // self._ALIGN) * self._ALIGN
         return out
+
+
+def batches(items: Sequence[T], nbytes: Callable[[T], int], budget: int) -> Iterator[list[T]]:
+    """Consecutive runs of `items` of at most `budget` bytes each (at least one item each)."""
+    batch: list[T] = []
+    held = 0
+    for it in items:
+        n = nbytes(it)
+        if batch and held + n > budget:
+            yield batch
+            batch, held = [], 0
+        batch.append(it)
+        held += n
+    if batch:
+        yield batch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,11 +18,13 @@ from fsdpcheck.sources.base import (
     Region,
     Source,
     check_regular,
+    into,
     nested_entries,
     one_line,
     read_each,
     slices,
 )
+from fsdpcheck.sources.rawio import populate
 from fsdpcheck.sources.safe_reader import file_problem
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -140,6 +143,13 @@ class TorchSaveSource(Source):
         def fetch(r: Region) -> torch.Tensor:
             return self._values[r.key][slices(r)] if r.size else self._values[r.key]
 
+        if device.type == "cpu":
+            # The kernels read strided data in place: the mapped pages are handed over as they
+            # lie, no copy (a source may return views instead of filling `out`).
+            views = [fetch(r) for r in regions]
+            for v in views:
+                populate(v)
+            return views
         return read_each(regions, device, out, fetch)
 
     def read_object(self, key: str) -> Any:
@@ -163,6 +173,56 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+# A mapped safetensors file: its bytes, where the data starts, and per tensor
+# (begin, end, dtype name, shape) relative to that start.
+_Layout = tuple[torch.UntypedStorage, int, dict[str, tuple[int, int, str, tuple[int, ...]]]]
+# safetensors refuses headers larger than this too.
+_MAX_HEADER = 100_000_000
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _safetensors_layout(f: Path) -> _Layout | None:
+    """The file mapped read-only, and where each tensor's bytes are; None if anything is odd."""
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("duplicate keys")
+        return dict(pairs)
+
+    try:
+        size = check_regular(f, "safetensors file").stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if n > _MAX_HEADER or 8 + n > size:
+                return None
+            header = json.loads(fh.read(n), object_pairs_hook=no_duplicates)
+        where: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            b, e = info["data_offsets"]
+            shape = tuple(info["shape"])
+            if not all(type(v) is int and v >= 0 for v in (b, e, *shape)) or b > e:
+                return None
+            where[key] = (b, e, str(info["dtype"]), shape)
+        storage = torch.UntypedStorage.from_file(str(f), False, size)  # MAP_PRIVATE, lazy
+        assert isinstance(storage, torch.UntypedStorage)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, RecursionError):
+        return None
+    return storage, 8 + n, where
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -242,6 +302,10 @@ class SafetensorsSource(Source):
                 raise CheckpointError(msg) from None
         self._file_of: dict[str, Path] = {}
         self._entries: dict[str, Entry] = {}
+        self._layout: dict[Path, _Layout | None] = {}
+        self._mapped: dict[str, torch.Tensor | None] = {}
+        #: Whether CPU reads may return views of the mapped files (False: always get_slice).
+        self.mapped_reads = True
         held: dict[str, list[Path]] = {}
         for f, h in self._handles.items():
             for key in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
@@ -291,6 +355,39 @@ class SafetensorsSource(Source):
         self._file_of[key] = f
         self._entries[key] = Entry(key, tuple(key.split(".")), tuple(sl.get_shape()), dtype)
 
+    def _mapped_tensor(self, key: str) -> torch.Tensor | None:
+        """The whole tensor as a view of its memory-mapped file, or None (read with get_slice).
+
+        The header is parsed here too and must agree with what safetensors read (dtype, shape)
+        and describe exactly the tensor's bytes inside the file, at an offset aligned to its
+        element size; anything else (duplicate header keys, a misaligned tensor) falls back to
+        get_slice, which copies.
+        """
+        if key in self._mapped:
+            return self._mapped[key]
+        f = self._file_of[key]
+        if f not in self._layout:
+            self._layout[f] = _safetensors_layout(f)
+        view = None
+        layout = self._layout[f]
+        entry = self._entries[key]
+        if layout is not None and key in layout[2] and entry.dtype is not None:
+            storage, base, table = layout
+            start, end, dtype_name, shape = table[key]
+            item = entry.dtype.itemsize
+            if (
+                _SAFETENSORS_DTYPES.get(dtype_name) == entry.dtype
+                and shape == entry.shape
+                and end - start == math.prod(shape) * item
+                and (base + start) % item == 0
+                and base + end <= storage.nbytes()
+            ):
+                view = torch.empty(0, dtype=entry.dtype).set_(
+                    storage, (base + start) // item, shape, _contiguous_strides(shape)
+                )
+        self._mapped[key] = view
+        return view
+
     @classmethod
     def from_path(cls, path: Path) -> SafetensorsSource:
         """A .safetensors file, an index .json, or a folder of .safetensors files.
@@ -339,4 +436,16 @@ class SafetensorsSource(Source):
             h = self._handles[self._file_of[r.key]]
             return h.get_slice(r.key)[slices(r)] if r.size else h.get_tensor(r.key)
 
+        if device.type == "cpu" and self.mapped_reads:
+            # Read in place: views of the mapped file (no copy), pages mapped now.
+            result = []
+            for i, r in enumerate(regions):
+                whole = self._mapped_tensor(r.key)
+                if whole is None:
+                    result.append(into(fetch(r), out[i] if out is not None else None, device))
+                    continue
+                v = whole[slices(r)] if r.size else whole
+                populate(v)
+                result.append(v)
+            return result
         return read_each(regions, device, out, fetch)

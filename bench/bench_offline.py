@@ -1,0 +1,317 @@
+"""Offline commands against the speed of reading the bytes.
+
+Builds the data set (two bf16 safetensors files of 96 tensors that differ in one element, and
+a 4-rank ``fsdpcheck.save`` of the second one: a DCP directory with a manifest), then times, each
+in a fresh process and each the median of ``--reps`` runs:
+
+  * ``cat`` of the same files (the floor: every byte read once),
+  * the naive script users write (``load_file`` both + a ``torch.equal`` loop) and a plain
+    ``dcp.load`` of the DCP directory into preallocated tensors (the DCP read floor in torch),
+  * ``fsdpcheck compare a.safetensors b.safetensors``, ``fsdpcheck fingerprint b_dcp``,
+    ``fsdpcheck audit --deep b_dcp`` and ``fsdpcheck.verify`` of the first file's tensors
+    against the DCP directory.
+
+Reported per command: whole-process wall time, the time of the work alone (measured inside the
+process after its imports), GB/s of the bytes it must read, ratio to ``cat`` and to the naive
+script, and the process's peak RSS. Warm runs read through a warm page cache; ``--cold`` also
+evicts the files with ``posix_fadvise(DONTNEED)`` before each run (no root needed; pages still
+mapped elsewhere may stay).
+
+Examples:
+    python bench/bench_offline.py                 # 1.3 GB per file, as in the issue
+    python bench/bench_offline.py --size 200M --reps 1
+    python bench/bench_offline.py --cold --keep /tmp/offline-data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NTENSORS = 96
+COLS = 4096
+WORLD = 4
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def _rows(size: int) -> int:
+    """Rows per tensor (a multiple of the world size) so that the file holds about `size` bytes."""
+    rows = max(WORLD, size // (NTENSORS * COLS * 2))
+    return rows - rows % WORLD
+
+
+def _tensors(rows: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"layers.{i}.weight": torch.randn(rows, COLS, generator=g).to(torch.bfloat16)
+        for i in range(NTENSORS)
+    }
+
+
+def _save_rank(rank: int, world: int, port: int, rows: int, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdpcheck
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = torch.nn.Module()
+        layers = torch.nn.ModuleList()
+        for w in _tensors(rows).values():
+            m = torch.nn.Module()
+            m.weight = torch.nn.Parameter(w)
+            layers.append(m)
+        model.layers = layers
+        fully_shard(model)
+        fsdpcheck.save(model, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def build(root: Path, size: int) -> dict[str, Path]:
+    """Writes a.safetensors, b.safetensors (one element differs) and b_dcp (4 ranks)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fsdpcheck._spawn import spawn
+
+    rows = _rows(size)
+    paths = {"a": root / "a.safetensors", "b": root / "b.safetensors", "dcp": root / "b_dcp"}
+    t = _tensors(rows)
+    save_file(t, str(paths["a"]))
+    key = f"layers.{NTENSORS // 2}.weight"
+    t[key][rows // 3, 7] += torch.tensor(1.0, dtype=torch.bfloat16)
+    save_file(t, str(paths["b"]))
+    del t
+    spawn(_save_rank, WORLD, (rows, str(paths["dcp"])))
+    if not (paths["dcp"] / ".metadata").exists():
+        raise SystemExit("the 4-rank save failed")
+    return paths
+
+
+def _files(p: Path) -> list[Path]:
+    return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+
+
+def _evict(paths: list[Path]) -> None:
+    for p in paths:
+        for f in _files(p):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _run(argv: list[str]) -> tuple[float, float | None, int, str]:
+    """(wall s, work s reported by the child or None, peak RSS bytes, stdout)."""
+    # Output goes to files, not pipes: a pipe nobody reads would stall the child (cat).
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        t0 = time.perf_counter()
+        sink = subprocess.DEVNULL if argv[0] == "cat" else fo
+        proc = subprocess.Popen(argv, stdout=sink, stderr=fe, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        fo.seek(0)
+        fe.seek(0)
+        out = fo.read().decode(errors="replace") if argv[0] != "cat" else ""
+        err = fe.read().decode(errors="replace")
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{out}\n{err}")
+    work = None
+    for line in out.splitlines():
+        if line.startswith("WORK "):
+            work = float(line.split()[1])
+    return wall, work, usage.ru_maxrss * 1024, out
+
+
+PY = sys.executable
+# Each child times its own work after its imports and prints "WORK <seconds>".
+TIMED = """
+import sys, time, json
+{imports}
+t0 = time.perf_counter()
+{work}
+print("WORK", time.perf_counter() - t0)
+"""
+
+NAIVE = TIMED.format(
+    imports="import torch\nfrom safetensors.torch import load_file",
+    work="a = load_file(sys.argv[1]); b = load_file(sys.argv[2])\n"
+    "same = [k for k in a if torch.equal(a[k], b[k])]\nprint(len(a) - len(same), 'differ')",
+)
+NAIVE_DCP = TIMED.format(
+    imports="import torch\nimport torch.distributed.checkpoint as dcp\n"
+    "from torch.distributed.checkpoint import FileSystemReader",
+    work="md = FileSystemReader(sys.argv[1]).read_metadata()\n"
+    "sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)\n"
+    "      for k, m in md.state_dict_metadata.items() if hasattr(m, 'chunks')}\n"
+    "dcp.load(sd, checkpoint_id=sys.argv[1], no_dist=True)",
+)
+COMPARE = TIMED.format(
+    imports="from fsdpcheck.comparison import compare_checkpoints",
+    work="r = compare_checkpoints(sys.argv[1], sys.argv[2], device='cpu')\n"
+    "print([f.key for f in r.findings])",
+)
+FINGERPRINT = TIMED.format(
+    imports="from fsdpcheck.fingerprints import fingerprint_checkpoint",
+    work="print(len(fingerprint_checkpoint(sys.argv[1])))",
+)
+AUDIT = TIMED.format(
+    imports="from fsdpcheck.auditing import audit",
+    work="r = audit(sys.argv[1], deep=True)\nprint([f.key for f in r.findings])",
+)
+VERIFY = TIMED.format(
+    imports="import torch\nfrom safetensors.torch import load_file\n"
+    "from fsdpcheck.verification import verify\n"
+    "live = load_file(sys.argv[1])\n"
+    "for t in live.values(): t.add_(0)  # resident, not lazily mapped",
+    work="r = verify(live, sys.argv[2])\nprint([f.key for f in r.findings])",
+)
+
+
+def measure(paths: dict[str, Path], reps: int, cold: bool) -> list[dict[str, Any]]:
+    a, b, d = str(paths["a"]), str(paths["b"]), str(paths["dcp"])
+    nb_st = paths["a"].stat().st_size + paths["b"].stat().st_size
+    nb_dcp = sum(f.stat().st_size for f in _files(paths["dcp"]))
+    fsd = [PY, "-m", "fsdpcheck"]
+    rows: list[tuple[str, list[str], int, list[Path], str]] = [
+        ("startup: fsdpcheck info", [*fsd, "info"], 0, [], ""),
+        ("startup: import torch", [PY, "-c", "import torch, safetensors"], 0, [], ""),
+        ("cat a b", ["cat", a, b], nb_st, [paths["a"], paths["b"]], ""),
+        ("cat b_dcp", ["sh", "-c", f"cat {d}/* > /dev/null"], nb_dcp, [paths["dcp"]], ""),
+        ("naive: load_file+equal", [PY, "-c", NAIVE, a, b], nb_st, [paths["a"], paths["b"]], ""),
+        ("naive: dcp.load", [PY, "-c", NAIVE_DCP, d], nb_dcp, [paths["dcp"]], ""),
+        ("fsdpcheck compare a b", [*fsd, "compare", a, b], nb_st, [paths["a"], paths["b"]], "c"),
+        ("  compare_checkpoints()", [PY, "-c", COMPARE, a, b], nb_st, [paths["a"], paths["b"]],
+         "c"),  # fmt: skip
+        ("fsdpcheck fingerprint b_dcp", [*fsd, "fingerprint", d], nb_dcp, [paths["dcp"]], "d"),
+        ("  fingerprint_checkpoint()", [PY, "-c", FINGERPRINT, d], nb_dcp, [paths["dcp"]], "d"),
+        ("fsdpcheck audit --deep b_dcp", [*fsd, "audit", "--deep", d], nb_dcp, [paths["dcp"]],
+         "d"),  # fmt: skip
+        ("  audit(deep=True)", [PY, "-c", AUDIT, d], nb_dcp, [paths["dcp"]], "d"),
+        ("  verify(a tensors, b_dcp)", [PY, "-c", VERIFY, a, d], nb_dcp, [paths["dcp"]], "d"),
+    ]
+    results = []
+    for mode in ("warm", "cold") if cold else ("warm",):
+        for name, argv, nbytes, files, _ in rows:
+            if mode == "cold" and not files:
+                continue
+            walls, works, rss = [], [], []
+            _run(argv)  # warm-up (and, warm, fills the page cache)
+            for _ in range(reps):
+                if mode == "cold":
+                    _evict(files)
+                w, k, r, _ = _run(argv)
+                walls.append(w)
+                rss.append(r)
+                if k is not None:
+                    works.append(k)
+            results.append(
+                {
+                    "mode": mode,
+                    "name": name,
+                    "bytes": nbytes,
+                    "wall": statistics.median(walls),
+                    "work": statistics.median(works) if works else None,
+                    "rss": max(rss),
+                    "kind": dict((r[0], r[4]) for r in rows)[name],
+                }
+            )
+            print(f"# {mode} {name}: {results[-1]}", file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    by = {(r["mode"], r["name"]): r for r in results}
+    lines = []
+    for mode in sorted({r["mode"] for r in results}, reverse=True):
+        start = by[("warm", "startup: fsdpcheck info")]["wall"]
+        start_torch = by[("warm", "startup: import torch")]["wall"]
+        cat = {"c": by[(mode, "cat a b")], "d": by[(mode, "cat b_dcp")]}
+        naive = {"c": by[(mode, "naive: load_file+equal")], "d": by[(mode, "naive: dcp.load")]}
+        lines.append(f"\n{mode} page cache (startup: fsdpcheck info {start:.2f} s, import torch "
+                     f"{start_torch:.2f} s)")  # fmt: skip
+        lines.append(
+            f"{'command':32} {'whole s':>8} {'work s':>7} {'GB/s':>6} {'x cat':>6} "
+            f"{'x naive':>7} {'RSS MB':>7}"
+        )
+        for r in results:
+            if r["mode"] != mode:
+                continue
+            name = r["name"]
+            if name.startswith("fsdpcheck "):
+                work = r["wall"] - start
+            elif r["work"] is not None:
+                work = r["work"]
+            else:
+                work = r["wall"]
+            gbs = r["bytes"] / work / 1e9 if r["bytes"] and work > 0 else float("nan")
+            k = r["kind"]
+            xc = f"{work / cat[k]['wall']:.2f}" if k else ""
+            nv = naive[k]["work"] if k else None
+            xn = f"{work / nv:.2f}" if nv else ""
+            lines.append(
+                f"{name:32} {r['wall']:8.2f} {work:7.3f} {gbs:6.2f} {xc:>6} {xn:>7} "
+                f"{r['rss'] / 2**20:7.0f}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=_size, default=int(1.3e9), help="bytes per file (1.3G)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="also time with the files evicted")
+    ap.add_argument("--keep", type=Path, default=None, help="build (or reuse) the data here")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    tmp = None
+    if args.keep is not None:
+        root = args.keep
+        root.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.mkdtemp(prefix="fsdpcheck-offline-")
+        root = Path(tmp)
+    try:
+        paths = {"a": root / "a.safetensors", "b": root / "b.safetensors", "dcp": root / "b_dcp"}
+        if not all(p.exists() for p in paths.values()):
+            t0 = time.perf_counter()
+            paths = build(root, args.size)
+            print(f"# built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(f"# load before: {os.getloadavg()}", file=sys.stderr)
+        results = measure(paths, args.reps, args.cold)
+        print(f"# load after: {os.getloadavg()}", file=sys.stderr)
+        print(table(results))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
