@@ -133,9 +133,14 @@ def flip_bit(
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
     import torch.distributed as dist
 
-    ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+    # gloo's send/recv read host memory: ranks sharing GPUs over gloo stage through the host.
+    staged = send.is_cuda and dist.get_backend() == "gloo"
+    out, into = (send.cpu(), torch.empty_like(recv, device="cpu")) if staged else (send, recv)
+    ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
+    if staged:
+        recv.copy_(into)
 
 
 @contextlib.contextmanager
