@@ -107,9 +107,7 @@ class Registry:
             if world not in sc.worlds or (only is not None and name not in only):
                 continue
             wd = workdir / name
-            if rank == 0:
-                wd.mkdir(parents=True)
-            dist.barrier()
+            wd.mkdir(parents=True, exist_ok=True)  # every rank: no barrier needed before it
             before = snapshot(*self.base_state(base))
             t0 = time.perf_counter()
             error = None
