@@ -39,6 +39,7 @@ _EXPORTS = {
     "Report": "fsdpcheck.report",
     "VerificationError": "fsdpcheck.report",
     "verify": "fsdpcheck.verification",
+    "ReplicaWatch": "fsdpcheck.watch",
 }
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "MappingRow",
+    "ReplicaWatch",
     "Report",
     "TensorDiff",
     "VerificationError",
@@ -108,3 +110,4 @@ if TYPE_CHECKING:
     from fsdpcheck.manifest import Manifest, ManifestError, read_manifest
     from fsdpcheck.report import Finding, MappingRow, Report, VerificationError
     from fsdpcheck.verification import verify
+    from fsdpcheck.watch import ReplicaWatch

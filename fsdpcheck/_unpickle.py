@@ -34,6 +34,11 @@ _ADMITTED: dict[str, frozenset[str]] = {
         }
     ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # megatron-core's dist_checkpointing caches its save plan in the metadata (plain dataclasses
+    # and an Enum of DCP's planner).
+    "torch.distributed.checkpoint.planner": frozenset(
+        {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}
+    ),
     # Checkpoints written by torch < 2.2 name these classes by their old home.
     "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties"}),
     "torch.distributed._shard.metadata": frozenset({"ShardMetadata"}),

@@ -13,6 +13,7 @@ import datetime
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +22,7 @@ import torch
 
 from fsdpcheck import _version, matching
 from fsdpcheck.collectives import Comm, agree
-from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
+from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.live import inner_optimizers, model_canonicalizer
 from fsdpcheck.manifest import Manifest, ManifestEntry, read_manifest, write_manifest
@@ -106,7 +107,7 @@ def save(
 
         dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
         fps = fingerprint_report(model, optimizer=optimizer, group=group)
-        manifest = agree(comm, lambda: _manifest(tmp, fps, comm), "building the manifest")
+        manifest = agree(comm, lambda: _saved_manifest(tmp, fps, comm), "building the manifest")
 
         def publish() -> None:
             if comm.rank == 0:
@@ -131,18 +132,23 @@ def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]
     return {"model": get_model_state_dict(model)}
 
 
-def _manifest(tmp: Path, fps: Any, comm: Comm) -> Manifest:
-    source = DCPSource(tmp)
-    try:
-        keys = matching.checkpoint_keys(source.entries())
-    finally:
-        source.close()
+def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> Manifest:
+    """The manifest of a checkpoint from the fingerprint pass over the live state it holds.
+
+    Args:
+        source: The checkpoint as written (its keys name each entry's ``checkpoint_key``).
+        fps: ``fingerprint_report`` of the live model (and optimizer) that was saved.
+        world_size: Ranks that saved it.
+    """
+    keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
     by_name = {r.name: r.key for r in keys.tensors()}
     entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()
     for name, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
         if "DTensor" in lay.description:
             meshes.add(lay.description.split(" on mesh ")[-1])
+        if name in fps.tied:
+            continue  # listed once, under the name it is tied to
         entries[name] = ManifestEntry(
             by_name.get(name, name),
             tuple(lay.global_shape),
@@ -150,9 +156,9 @@ def _manifest(tmp: Path, fps: Any, comm: Comm) -> Manifest:
             fps.fingerprints.get(name),
         )
     return Manifest(
-        kind="sharded",
-        storage="dcp",
-        world_size=comm.world,
+        kind="sharded" if source.is_sharded else "full",
+        storage="dcp" if source.is_sharded else source.kind,
+        world_size=world_size,
         entries=entries,
         meshes=sorted(meshes),
         torch=torch.__version__,
@@ -161,6 +167,87 @@ def _manifest(tmp: Path, fps: Any, comm: Comm) -> Manifest:
         tied=dict(fps.tied),
         findings_at_save=[f.describe() for f in fps.findings],
     )
+
+
+def write_checkpoint_manifest(
+    model: torch.nn.Module,
+    folder: str | os.PathLike[str],
+    *,
+    optimizer: Any = None,
+    files: Callable[[], list[Path]] | None = None,
+    group: Any = None,
+) -> Manifest:
+    """Writes fsdpcheck's manifest of the live state into a checkpoint another library wrote.
+
+    Collective. Call it right after the checkpoint was written and before the next optimizer
+    step, so that the live state is what was saved (trainer integrations do).
+
+    Args:
+        model: The model that was saved.
+        folder: The checkpoint folder (the manifest goes there).
+        optimizer: The optimizer that was saved with it, if any.
+        files: Returns the files or DCP directories holding the tensors (default: the folder
+            itself); called on rank 0 only.
+        group: The process group.
+    """
+    comm = Comm(group)
+    root = Path(folder)
+    fps = fingerprint_report(model, optimizer=optimizer, group=group)
+
+    def build_and_write() -> Manifest | None:
+        # Rank 0 only: trainers that write full checkpoints write them from rank 0, so other
+        # ranks may see the folder before it is complete. A failure still reaches every rank.
+        if comm.rank != 0:
+            return None
+        source = open_source(files() if files is not None else root)
+        try:
+            manifest = build_manifest(source, fps, comm.world)
+        finally:
+            source.close()
+        write_manifest(root, manifest)
+        return manifest
+
+    built = agree(comm, build_and_write, f"writing the fsdpcheck manifest of {root}")
+    manifest: Manifest = comm.all_gather_object(built)[0]
+    return manifest
+
+
+def check_against_manifest(
+    model: torch.nn.Module,
+    manifest: Manifest,
+    where: str | os.PathLike[str],
+    *,
+    optimizer: Any = None,
+    group: Any = None,
+) -> Report:
+    """The live state against a manifest: one fingerprint pass and one gather, no file read.
+
+    Collective. Optimizer entries are checked only when `optimizer` is given.
+    """
+    comm = Comm(group)
+    result = fingerprint_report(model, optimizer=optimizer, group=group)
+    expected = {
+        k: fp
+        for k, fp in manifest.fingerprints().items()
+        if optimizer is not None or not k.startswith("optim.")
+    }
+    return Report(
+        findings=fingerprints_differ(expected, result.fingerprints) + result.findings,
+        reference=f"the manifest of {where}",
+        world_size=comm.world,
+        keys_checked=len(expected),
+        keys_a=len(result.fingerprints),
+        keys_b=len(expected),
+        side_b="manifest",
+    )
+
+
+def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Comm) -> Manifest:
+    source = DCPSource(tmp)
+    try:
+        return build_manifest(source, fps, comm.world)
+    finally:
+        source.close()
 
 
 def _replace(tmp: Path, target: Path) -> None:
@@ -269,21 +356,7 @@ def load(
         verify = "full"
     if verify == "fingerprint":
         assert manifest is not None
-        result = fingerprint_report(model, optimizer=optimizer, group=group)
-        expected = {
-            k: fp
-            for k, fp in manifest.fingerprints().items()
-            if optimizer is not None or not k.startswith("optim.")
-        }
-        report = Report(
-            findings=fingerprints_differ(expected, result.fingerprints) + result.findings,
-            reference=f"the manifest of {path}",
-            world_size=comm.world,
-            keys_checked=len(expected),
-            keys_a=len(result.fingerprints),
-            keys_b=len(expected),
-            side_b="manifest",
-        )
+        report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
     elif verify == "full":
         report = verify_full(model, path, optimizer=optimizer, group=group)
     else:
@@ -555,4 +628,13 @@ def _full_optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
-__all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "load", "read_manifest", "save"]
+__all__ = [
+    "CHECKPOINT_KINDS",
+    "CheckpointKindError",
+    "build_manifest",
+    "check_against_manifest",
+    "load",
+    "read_manifest",
+    "save",
+    "write_checkpoint_manifest",
+]

@@ -105,7 +105,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("demo", parents=[common], help="run the embedded demo")
-    p.add_argument("--ranks", type=int, default=4, help="ranks to spawn (default 4)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks to spawn (2 or more, default 4)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(run=_demo)
 

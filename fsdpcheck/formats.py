@@ -91,7 +91,7 @@ def _file(p: Path) -> CheckpointInfo:
         return CheckpointInfo(p, layout, "full", f"a sharded safetensors index ({p.name})", [p])
     if p.suffix == ".safetensors":
         return CheckpointInfo(p, "safetensors", "full", f"a safetensors file ({p.name})", [p])
-    if p.name.endswith("_model_states.pt") and p.name.startswith("mp_rank_"):
+    if _is_deepspeed_states(p.name):
         return _deepspeed(p.parent, p.parent)
     if p.suffix == ".ckpt":
         return CheckpointInfo(
@@ -109,7 +109,7 @@ def _directory(p: Path) -> CheckpointInfo:
     if is_dcp_dir(p):
         return _dcp(p)
     names = {q.name for q in _listdir(p)}
-    if "latest" in names or any(n.startswith("mp_rank_") for n in names):
+    if "latest" in names or any(_is_deepspeed_states(n) for n in names):
         return _deepspeed(p, _deepspeed_tag(p) if "latest" in names else p)
     fsdp = sorted(n for n in names if re.fullmatch(r"pytorch_model_fsdp_\d+", n))
     accelerate_markers = any(
@@ -240,10 +240,19 @@ def _deepspeed_tag(p: Path) -> Path:
     return p / tag
 
 
+def _is_deepspeed_states(name: str) -> bool:
+    """DeepSpeed model states (ZeRO-1/2: ``mp_rank_XX_...``; ZeRO-3: ``zero_pp_rank_R_...``)."""
+    return name.endswith("_model_states.pt") and "mp_rank_" in name
+
+
 def _deepspeed(p: Path, folder: Path) -> CheckpointInfo:
-    states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    # The plain name first: ZeRO-1/2's single file holds the full module weights.
+    states = sorted(
+        (q for q in folder.iterdir() if _is_deepspeed_states(q.name)),
+        key=lambda q: (not q.name.startswith("mp_rank_"), q.name),
+    )
     if not states:
-        raise ValueError(f"{folder} holds no DeepSpeed mp_rank_*_model_states.pt")
+        raise ValueError(f"{folder} holds no DeepSpeed *mp_rank_*_model_states.pt")
     zero = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"))
     notes = []
     if zero:

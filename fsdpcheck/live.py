@@ -65,6 +65,7 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
         The LiveState. Reading changes nothing.
     """
     out = LiveState()
+    model = _unwrap(model)
     if isinstance(model, torch.nn.Module):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -103,8 +104,23 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
     raise TypeError(f"model must be an nn.Module or a state dict, not {type(model).__name__}")
 
 
+def _unwrap(model: Any) -> Any:
+    """The module under Lightning Fabric's _FabricModule (which names every parameter twice).
+
+    The forward module is the one that holds the sharded (or DDP-wrapped) state.
+    """
+    while (
+        isinstance(model, torch.nn.Module)
+        and isinstance(getattr(model, "_forward_module", None), torch.nn.Module)
+        and isinstance(getattr(model, "_original_module", None), torch.nn.Module)
+    ):
+        model = model._forward_module
+    return model
+
+
 def model_canonicalizer(model: torch.nn.Module) -> Any:
     """The canonicaliser of a module's names (parameters and buffers, wrappers included)."""
+    model = _unwrap(model)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     return matching.canonicalizer(names)

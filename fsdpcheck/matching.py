@@ -45,6 +45,7 @@ MODEL_CONTAINERS = frozenset(
 OPTIM_CONTAINERS = frozenset(
     {"optim", "optimizer", "optimizers", "optimizer_state_dict", "optim_state", "optimizer_states"}
 )
+_NUMBERED_OPTIM = re.compile(r"^(?:optimizer|optim)_(\d+)$")
 _FLAT_STATE = re.compile(r"^state\.(.+)\.([^.]+)$")
 _FLAT_GROUP = re.compile(r"^param_groups\.(.+)\.([^.]+)$")
 
@@ -224,7 +225,9 @@ def checkpoint_keys(entries: Mapping[str, Entry], *, flat: bool = False) -> Chec
 
 def _top(paths: Mapping[str, tuple[str, ...]], e: Entry) -> str:
     p = paths[e.key]
-    if len(p) > 1 and (p[0] in MODEL_CONTAINERS or p[0] in OPTIM_CONTAINERS):
+    if len(p) > 1 and (
+        p[0] in MODEL_CONTAINERS or p[0] in OPTIM_CONTAINERS or _NUMBERED_OPTIM.match(p[0])
+    ):
         return p[0]
     return ""
 
@@ -232,7 +235,10 @@ def _top(paths: Mapping[str, tuple[str, ...]], e: Entry) -> str:
 def _optim_role(p: tuple[str, ...]) -> tuple[str, str, str, int] | None:
     """("state" | "group", fqn or group, name, optimizer index) of an optimizer entry, or None."""
     rest, index = p, 0
-    if len(rest) > 1 and rest[0] in OPTIM_CONTAINERS:
+    numbered = _NUMBERED_OPTIM.match(rest[0]) if len(rest) > 1 else None
+    if numbered:  # optimizer_<i>: Lightning's ModelParallelStrategy saves optimizer i there
+        index, rest = int(numbered.group(1)), rest[1:]
+    elif len(rest) > 1 and rest[0] in OPTIM_CONTAINERS:
         rest = rest[1:]
         if len(rest) > 1 and rest[0].isdigit():  # a list of optimizers (Lightning .ckpt)
             index, rest = int(rest[0]), rest[1:]
@@ -634,7 +640,9 @@ def _match_optimizer(
             m.findings.append(Finding(optim_key(live_fqn, name), "unexpected", msg))
             m.rows.append(MappingRow(None, row.key, "unexpected", "state name not live"))
     for gi, group in enumerate(live.param_groups):
-        hps = {k: v for k, v in group.items() if k != "params"}
+        # param_names (torch >= 2.6 named optimizers) restates params; DCP's flattened form
+        # does not save it.
+        hps = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         if ckpt.groups_by_fqn:
             head = group["params"][0] if group["params"] else None
             m.groups.append(GroupPair(gi, hps, ckpt.groups.get(head) if head else None))

@@ -114,7 +114,8 @@ class Finding:
             return f"{head}: {self.message}"
         pct = 100.0 * self.mismatched / self.numel if self.numel else 0.0
         lines = [head + (f": {self.message}" if self.message else "")]
-        lines.append(f"  Mismatched elements: {self.mismatched} / {self.numel} ({pct:.1f}%)")
+        if self.numel:  # fingerprint findings know that something differs, not how much
+            lines.append(f"  Mismatched elements: {self.mismatched} / {self.numel} ({pct:.1f}%)")
         if self.max_abs_index is not None:
             lines.append(
                 f"  Greatest absolute difference: {self.max_abs_diff} at index "
@@ -156,6 +157,11 @@ class Finding:
         if stats.nan_a != stats.nan_e:
             hints.append(f"NaNs: {stats.nan_a} on the checked side, {stats.nan_e} in the reference")
         has_abs, has_rel = stats.max_abs_idx >= 0, stats.max_rel_idx >= 0
+        if has_abs and stats.max_abs == 0.0:
+            # Every mismatch is a NaN or an infinity against something else: there is no finite
+            # difference to point at, and "0.0 at index (0, 0)" would point at a matching element.
+            has_abs = has_rel = False
+            hints.append("the mismatches are NaN or infinite on one side (no finite difference)")
         return cls(
             key,
             "value",

@@ -182,7 +182,7 @@ def verify(
 def _everywhere(findings: list[Finding], world: int) -> list[Finding]:
     """Findings that every rank reported are about the job, not a rank: no rank named."""
     for f in findings:
-        everywhere = world > 1 and len(f.ranks) == world and f.kind != "value"
+        everywhere = world > 1 and len(f.ranks) == world and f.kind not in ("value", "replica")
         if everywhere or (world == 1 and f.kind not in ("value", "replica")):
             f.rank, f.ranks = None, []
     return findings

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.checkpoint import check_against_manifest
 from fsdpcheck.collectives import Comm, agree
-from fsdpcheck.fingerprints import check_replicas, fingerprint_report, fingerprints_differ
-from fsdpcheck.manifest import Manifest, read_manifest
-from fsdpcheck.report import Finding, Report
+from fsdpcheck.fingerprints import check_replicas
+from fsdpcheck.manifest import read_manifest
+from fsdpcheck.report import Report
 from fsdpcheck.verification import verify
 
 __all__ = ["ReplicaWatch", "verify_resumed"]
@@ -130,30 +131,10 @@ def verify_resumed(
         f"reading the fsdpcheck manifest of {path}",
     )
     if manifest is not None:
-        return _against_manifest(model, optimizer, manifest, path, comm)
+        report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
+        report.notes.append(f"checked by fingerprint against the fsdpcheck manifest of {path}")
+        return report
     reference: Any = [Path(f) for f in files] if files else path
     report = verify(model, reference, optimizer=optimizer, group=group, **verify_kwargs)
     report.notes.insert(0, f"no fsdpcheck manifest in {path}: verified against its files")
     return report
-
-
-def _against_manifest(
-    model: Any, optimizer: Any, manifest: Manifest, path: Path, comm: Comm
-) -> Report:
-    result = fingerprint_report(model, optimizer=optimizer, group=comm.group)
-    expected = {
-        k: fp
-        for k, fp in manifest.fingerprints().items()
-        if optimizer is not None or not k.startswith("optim.")
-    }
-    findings: list[Finding] = fingerprints_differ(expected, result.fingerprints)
-    return Report(
-        findings=findings + result.findings,
-        reference=f"the manifest of {path}",
-        world_size=comm.world,
-        keys_checked=len(expected),
-        keys_a=len(result.fingerprints),
-        keys_b=len(expected),
-        side_b="manifest",
-        notes=[f"checked by fingerprint against the fsdpcheck manifest of {path}"],
-    )

@@ -12,7 +12,7 @@ import torch
 import fsdpcheck
 from fsdpcheck.sources.tiling import tiling_problems
 from tests import reference
-from tests.models import small_model
+from fsdpcheck.testing import small_model
 
 
 def kinds(r: fsdpcheck.Report) -> list[tuple[str, str]]:

@@ -100,12 +100,6 @@ def torchtitan_resume_is_verified(r):
     assert any("no fsdpcheck manifest" in n for n in r["no_manifest"]["notes"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify compares param_groups' 'param_names' (the parameters' names torch keeps in "
-    "a group built from named_parameters, as torchtitan's OptimizersContainer does), which "
-    "DCP's flattened optimizer state does not save",
-)
 def test_torchtitan_no_manifest_hyperparameters(ranks: list[dict]) -> None:
     r = scenario_result(ranks, "torchtitan_resume")["no_manifest"]
     assert r["ok"], r["text"]

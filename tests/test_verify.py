@@ -13,7 +13,7 @@ import fsdpcheck
 from fsdpcheck import matching
 from fsdpcheck.sources import open_source
 from fsdpcheck.sources.base import Entry, Region
-from tests.models import small_model
+from fsdpcheck.testing import small_model
 
 
 def kinds(r: fsdpcheck.Report) -> list[tuple[str, str]]:

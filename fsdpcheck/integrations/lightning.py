@@ -52,14 +52,6 @@ def _one_optimizer(optimizers: list[Any]) -> Any:
     return optimizers[0] if len(optimizers) == 1 else _Optimizers(list(optimizers))
 
 
-def _first_optimizer_keys(key: str) -> str | None:
-    """Checkpoint key of a live key in a ModelParallelStrategy checkpoint (one optimizer)."""
-    prefix = "optim.state."
-    if key.startswith(prefix):
-        return "optimizer_0.state." + key[len(prefix) :]
-    return "state_dict." + key
-
-
 class VerifyOnResume(Callback):
     """Verifies the model and optimizers after ``trainer.fit(ckpt_path=...)`` restored them.
 
@@ -105,12 +97,7 @@ class VerifyOnResume(Callback):
         path = trainer.ckpt_path
         if path is None:
             return
-        kwargs = dict(self.verify_kwargs)
-        if optimizer is not None and len(trainer.optimizers) == 1 and os.path.isdir(path):
-            # ModelParallelStrategy saves optimizer i under "optimizer_<i>", a container name
-            # the key matching does not know: name the checkpoint keys of the one optimizer.
-            kwargs.setdefault("key_map", _first_optimizer_keys)
-        self.report = verify_resumed(pl_module, path, optimizer=optimizer, **kwargs)
+        self.report = verify_resumed(pl_module, path, optimizer=optimizer, **self.verify_kwargs)
         self._handle(trainer, self.report, f"resume from {path}")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:  # noqa: D102
@@ -168,22 +155,8 @@ def verify_after_load(
         )
     optimizers = [v for v in state.values() if _is_optimizer(v)]
     (module,) = modules.values()
-    # fabric.load loads into the module Fabric wraps; check that one (the wrapper lists each
-    # parameter twice, under _forward_module. and _original_module.).
-    return verify_resumed(
-        getattr(module, "module", module) if _is_fabric_module(module) else module,
-        path,
-        optimizer=_one_optimizer(optimizers),
-        **verify_kwargs,
-    )
-
-
-def _is_fabric_module(m: Any) -> bool:
-    try:
-        from lightning.fabric.wrappers import _FabricModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(m, _FabricModule)
+    # The Fabric wrapper is seen through by the key model (fsdpcheck.live).
+    return verify_resumed(module, path, optimizer=_one_optimizer(optimizers), **verify_kwargs)
 
 
 def _is_optimizer(v: Any) -> bool:

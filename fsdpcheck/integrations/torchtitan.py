@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.checkpoint import _manifest
+from fsdpcheck.checkpoint import write_checkpoint_manifest
 from fsdpcheck.collectives import Comm, agree
-from fsdpcheck.fingerprints import fingerprint_report
-from fsdpcheck.manifest import Manifest, write_manifest
+from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
 from fsdpcheck.watch import verify_resumed
 
@@ -149,7 +148,6 @@ def write_step_manifest(
     Returns:
         The manifest (identical on every rank).
     """
-    comm = Comm(group)
     parts = model_parts if model_parts is not None else checkpointer.states["model"].model
     if len(parts) != 1:
         raise ValueError(f"write_step_manifest handles one model part, got {len(parts)}")
@@ -162,15 +160,7 @@ def write_step_manifest(
         # appear once the folder is complete.
         checkpointer.maybe_wait_for_saving()
     where = Path(checkpointer.folder) / f"step-{step}"
-    fps = fingerprint_report(parts[0], optimizer=optimizer, group=group)
-    manifest = agree(comm, lambda: _manifest(where, fps, comm), f"building the manifest of {where}")
-
-    def publish() -> None:
-        if comm.rank == 0:
-            write_manifest(where, manifest)
-
-    agree(comm, publish, f"writing the manifest into {where}")
-    return manifest
+    return write_checkpoint_manifest(parts[0], where, optimizer=optimizer, group=group)
 
 
 def save_manifests(checkpointer: Any, *, group: Any = None) -> Any:

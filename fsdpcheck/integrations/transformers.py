@@ -15,22 +15,17 @@ or the sharded index, ``pytorch_model_fsdp_0/`` under FSDP, and ``optimizer.pt``
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from fsdpcheck import _version, matching
-from fsdpcheck.collectives import Comm, agree
-from fsdpcheck.fingerprints import fingerprint_report
+from fsdpcheck.checkpoint import write_checkpoint_manifest
 from fsdpcheck.formats import is_dcp_dir
-from fsdpcheck.manifest import Manifest, ManifestEntry, write_manifest
+from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
-from fsdpcheck.sources import open_source
 from fsdpcheck.watch import ReplicaWatch, verify_resumed
 
 __all__ = ["ON_FAILURE", "VerifyOnResume", "checkpoint_files"]
@@ -194,42 +189,11 @@ def write_folder_manifest(
     Collective. Call it right after the folder was written and before the next optimizer step,
     so that the live state is what was saved.
     """
-    comm = Comm(group)
     root = Path(folder)
-    fps = fingerprint_report(model, optimizer=optimizer, group=group)
-
-    def build() -> Manifest:
-        files = checkpoint_files(root, optimizer is not None)
-        source = open_source(files)
-        try:
-            keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
-        finally:
-            source.close()
-        by_name = {r.name: r.key for r in keys.tensors()}
-        return Manifest(
-            kind="sharded" if is_dcp_dir(files[0]) else "full",
-            storage="dcp" if is_dcp_dir(files[0]) else files[0].suffix.lstrip("."),
-            world_size=comm.world,
-            entries={
-                name: ManifestEntry(
-                    by_name.get(name, name),
-                    tuple(lay.global_shape),
-                    str(lay.dtype).removeprefix("torch."),
-                    fps.fingerprints.get(name),
-                )
-                for name, lay in sorted(fps.layouts.items())
-            },
-            torch=torch.__version__,
-            fsdpcheck=_version.__version__,
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            tied=dict(fps.tied),
-            findings_at_save=[f.describe() for f in fps.findings],
-        )
-
-    manifest = agree(comm, build, f"building the fsdpcheck manifest of {root}")
-    agree(
-        comm,
-        lambda: write_manifest(root, manifest) if comm.rank == 0 else None,
-        f"writing the fsdpcheck manifest into {root}",
+    return write_checkpoint_manifest(
+        model,
+        root,
+        optimizer=optimizer,
+        files=lambda: checkpoint_files(root, optimizer is not None),
+        group=group,
     )
-    return manifest
