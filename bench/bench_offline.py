@@ -193,27 +193,42 @@ VERIFY = TIMED.format(
 )
 
 
-def measure(paths: dict[str, Path], reps: int, cold: bool) -> list[dict[str, Any]]:
+CLI = "import sys\nfrom fsdpcheck.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
+def _prefix(src: Path | None) -> str:
+    """Code that makes a child import fsdpcheck from `src` (another checkout, for a baseline)."""
+    if src is None:
+        return ""
+    return (
+        "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in "
+        f"type(f).__module__]\nsys.path.insert(0, {str(src)!r})\n"
+    )
+
+
+def measure(
+    paths: dict[str, Path], reps: int, cold: bool, src: Path | None = None
+) -> list[dict[str, Any]]:
     a, b, d = str(paths["a"]), str(paths["b"]), str(paths["dcp"])
+    pre = _prefix(src)
     nb_st = paths["a"].stat().st_size + paths["b"].stat().st_size
     nb_dcp = sum(f.stat().st_size for f in _files(paths["dcp"]))
-    fsd = [PY, "-m", "fsdpcheck"]
+    fsd = [PY, "-c", pre + CLI]
+    st, dc = [paths["a"], paths["b"]], [paths["dcp"]]
     rows: list[tuple[str, list[str], int, list[Path], str]] = [
         ("startup: fsdpcheck info", [*fsd, "info"], 0, [], ""),
         ("startup: import torch", [PY, "-c", "import torch, safetensors"], 0, [], ""),
-        ("cat a b", ["cat", a, b], nb_st, [paths["a"], paths["b"]], ""),
-        ("cat b_dcp", ["sh", "-c", f"cat {d}/* > /dev/null"], nb_dcp, [paths["dcp"]], ""),
-        ("naive: load_file+equal", [PY, "-c", NAIVE, a, b], nb_st, [paths["a"], paths["b"]], ""),
-        ("naive: dcp.load", [PY, "-c", NAIVE_DCP, d], nb_dcp, [paths["dcp"]], ""),
-        ("fsdpcheck compare a b", [*fsd, "compare", a, b], nb_st, [paths["a"], paths["b"]], "c"),
-        ("  compare_checkpoints()", [PY, "-c", COMPARE, a, b], nb_st, [paths["a"], paths["b"]],
-         "c"),  # fmt: skip
-        ("fsdpcheck fingerprint b_dcp", [*fsd, "fingerprint", d], nb_dcp, [paths["dcp"]], "d"),
-        ("  fingerprint_checkpoint()", [PY, "-c", FINGERPRINT, d], nb_dcp, [paths["dcp"]], "d"),
-        ("fsdpcheck audit --deep b_dcp", [*fsd, "audit", "--deep", d], nb_dcp, [paths["dcp"]],
-         "d"),  # fmt: skip
-        ("  audit(deep=True)", [PY, "-c", AUDIT, d], nb_dcp, [paths["dcp"]], "d"),
-        ("  verify(a tensors, b_dcp)", [PY, "-c", VERIFY, a, d], nb_dcp, [paths["dcp"]], "d"),
+        ("cat a b", ["cat", a, b], nb_st, st, ""),
+        ("cat b_dcp", ["sh", "-c", f"cat {d}/* > /dev/null"], nb_dcp, dc, ""),
+        ("naive: load_file+equal", [PY, "-c", NAIVE, a, b], nb_st, st, ""),
+        ("naive: dcp.load", [PY, "-c", NAIVE_DCP, d], nb_dcp, dc, ""),
+        ("fsdpcheck compare a b", [*fsd, "compare", a, b], nb_st, st, "c"),
+        ("  compare_checkpoints()", [PY, "-c", pre + COMPARE, a, b], nb_st, st, "c"),
+        ("fsdpcheck fingerprint b_dcp", [*fsd, "fingerprint", d], nb_dcp, dc, "d"),
+        ("  fingerprint_checkpoint()", [PY, "-c", pre + FINGERPRINT, d], nb_dcp, dc, "d"),
+        ("fsdpcheck audit --deep b_dcp", [*fsd, "audit", "--deep", d], nb_dcp, dc, "d"),
+        ("  audit(deep=True)", [PY, "-c", pre + AUDIT, d], nb_dcp, dc, "d"),
+        ("  verify(a tensors, b_dcp)", [PY, "-c", pre + VERIFY, a, d], nb_dcp, dc, "d"),
     ]
     results = []
     for mode in ("warm", "cold") if cold else ("warm",):
@@ -288,6 +303,13 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted")
     ap.add_argument("--keep", type=Path, default=None, help="build (or reuse) the data here")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--src",
+        type=Path,
+        default=None,
+        help="time the fsdpcheck package in this folder instead (a baseline checkout whose "
+        "fsdpcheck/ holds the built extension or a link to it)",
+    )
     args = ap.parse_args()
     tmp = None
     if args.keep is not None:
@@ -303,7 +325,7 @@ def main() -> None:
             paths = build(root, args.size)
             print(f"# built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         print(f"# load before: {os.getloadavg()}", file=sys.stderr)
-        results = measure(paths, args.reps, args.cold)
+        results = measure(paths, args.reps, args.cold, args.src)
         print(f"# load after: {os.getloadavg()}", file=sys.stderr)
         print(table(results))
         if args.json:

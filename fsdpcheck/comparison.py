@@ -24,7 +24,7 @@ from fsdpcheck.kernels import SUPPORTED_DTYPES, compare
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Entry, Region, Source, open_source
-from fsdpcheck.sources.prefetch import Prefetcher
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.tolerances import tolerance
 
 Progress = Callable[[int, int], None]
@@ -115,6 +115,7 @@ def _compare(
     # Every pair's row blocks, then batches of blocks: one kernel call per batch (per
     # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
     # Two batches are in flight, so each holds at most half the budget (both sides).
+    step = batch_bytes(budget)
     compared: list[tuple[str, Entry, Entry, tuple[float, float]]] = []
     blocks: list[_Block] = []
     for name, a, b in m.pairs:
@@ -138,7 +139,7 @@ def _compare(
         i = len(compared)
         compared.append((name, ea, eb, tol))
         both = ea.dtype.itemsize + eb.dtype.itemsize
-        for off, size in row_blocks((0,) * len(ea.shape), ea.shape, both, budget // 2):
+        for off, size in row_blocks((0,) * len(ea.shape), ea.shape, both, step):
             blocks.append(
                 _Block(
                     i,
@@ -152,7 +153,7 @@ def _compare(
     done = 0
     plan = (
         (batch, [(sa, [w.ra for w in batch]), (sb, [w.rb for w in batch])])
-        for batch in batches(blocks, lambda w: w.nbytes, budget // 2)
+        for batch in batches(blocks, lambda w: w.nbytes, step)
     )
     for batch, (xa, xb) in Prefetcher(dev).run(plan):
         groups: dict[tuple[float, float], list[int]] = {}

@@ -27,7 +27,7 @@ from fsdpcheck.manifest import read_manifest
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, open_source
-from fsdpcheck.sources.prefetch import Prefetcher
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 
 
 class FingerprintError(ValueError):
@@ -293,6 +293,7 @@ def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict
     """
     entries = source.entries()
     out: dict[str, int] = {}
+    step = batch_bytes(budget)
     work: list[tuple[str, Region]] = []
     for ckpt_key, name in names.items():
         entry = entries[ckpt_key]
@@ -303,13 +304,13 @@ def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict
         for offset, size in source.chunks(ckpt_key):
             if math.prod(size) == 0 and len(size) > 0:
                 continue
-            for off, sz in row_blocks(offset, size, itemsize, budget // 2):
+            for off, sz in row_blocks(offset, size, itemsize, step):
                 work.append((ckpt_key, Region(ckpt_key, off, sz)))
 
     def nbytes(w: tuple[str, Region]) -> int:
         return w[1].numel * entries[w[0]].dtype.itemsize  # type: ignore[union-attr]
 
-    plan = ((b, [(source, [r for _, r in b])]) for b in batches(work, nbytes, budget // 2))
+    plan = ((b, [(source, [r for _, r in b])]) for b in batches(work, nbytes, step))
     for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
         _hash_batch(source, batch, tensors, names, out)
     return out

@@ -28,6 +28,17 @@ import torch
 from fsdpcheck.readplan import Arena
 from fsdpcheck.sources.base import Region, Source
 
+#: Bytes per batch when the budget allows more. Small enough that reading and computing take
+#: turns many times over (the first batch is not overlapped, and every arena page is touched
+#: once), large enough that one kernel call per batch costs nothing against its data.
+STEP = 32 << 20
+
+
+def batch_bytes(budget: int) -> int:
+    """Bytes per batch under a memory budget: two batches are in flight."""
+    return max(1, min(budget // 2, STEP))
+
+
 #: One read of a batch: a source and the regions to read from it.
 Part = tuple[Source, Sequence[Region]]
 

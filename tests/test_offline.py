@@ -1,0 +1,469 @@
+"""The offline read paths give exactly what the safe slow paths give, and find planted faults.
+
+Raw DCP chunks (byte ranges straight into the destination) against the safe reader (torch.load
+weights_only of each blob); safetensors compared in place from the mapping against get_slice;
+torch.save views; blocks and batches cut by tiny memory budgets; the prefetch pipeline's order,
+errors and (with a stand-in CUDA module) its stream/event protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsdpcheck.box import Box
+from fsdpcheck.comparison import compare_checkpoints
+from fsdpcheck.fingerprints import fingerprint_checkpoint
+from fsdpcheck.kernels import fingerprint_tensor
+from fsdpcheck.sources.base import CheckpointError, Region
+from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
+from fsdpcheck.sources.memory import MemorySource
+from fsdpcheck.sources.prefetch import Prefetcher
+from fsdpcheck.verification import verify
+
+CPU = torch.device("cpu")
+WORLD = 4
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "w": torch.randn(10, 6, generator=g).to(torch.bfloat16),  # rows 3, 3, 3, 1
+        "c": torch.randn(5, 9, generator=g),  # Shard(1): columns 3, 3, 3, 0
+        "e": torch.randint(-9, 9, (3, 4), generator=g, dtype=torch.int64),  # rows 1, 1, 1, 0
+        "f8": torch.randn(8, 16, generator=g).to(torch.float8_e4m3fn),
+    }
+
+
+def _save_sharded(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sd = {}
+        for k, v in _full().items():
+            # Each rank's torch.chunk share, built locally (gloo cannot scatter float8).
+            dim = 1 if k == "c" else 0
+            step = -(-v.shape[dim] // world)
+            start = min(rank * step, v.shape[dim])
+            local = v.narrow(dim, start, min(v.shape[dim], start + step) - start).clone()
+            sd[k] = DTensor.from_local(
+                local, mesh, [Shard(dim)], run_check=False, shape=v.shape, stride=v.stride()
+            )
+        dcp.save(sd, checkpoint_id=path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-rank DCP save (uneven, empty and column chunks); one spawn for the module."""
+    from fsdpcheck._spawn import spawn
+
+    path = tmp_path_factory.mktemp("offline") / "dcp4"
+    spawn(_save_sharded, WORLD, (str(path),), timeout=120)
+    assert (path / ".metadata").exists(), "the 4-rank save failed"
+    return path
+
+
+def _odd() -> dict[str, torch.Tensor]:
+    """Single-process save: a transposed (non-contiguous) tensor, 0-d, bool, odd sizes."""
+    g = torch.Generator().manual_seed(2)
+    return {
+        "t": torch.randn(7, 5, generator=g).t(),  # saved with strides (1, 5)
+        "s": torch.tensor(3.25, dtype=torch.float64),
+        "b": torch.rand(13, generator=g) > 0.5,
+        "h": torch.randn(3, 3, generator=g).to(torch.float16),
+        "i8": torch.randint(-100, 100, (17,), generator=g, dtype=torch.int8),
+        "bf": torch.randn(9, 7, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path_factory.mktemp("offline") / "dcp1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_odd(), checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def _regions(full: dict[str, torch.Tensor]) -> list[Region]:
+    """Whole tensors, regions straddling chunk boundaries, column windows, single elements."""
+    out = []
+    for k, v in full.items():
+        shape = tuple(v.shape)
+        out.append(Region(k, (0,) * v.dim(), shape))
+        if v.dim() == 2 and shape[0] > 2 and shape[1] > 2:
+            out.append(Region(k, (1, 1), (shape[0] - 2, shape[1] - 2)))
+            out.append(Region(k, (shape[0] - 1, shape[1] - 1), (1, 1)))
+            out.append(Region(k, (2, 0), (min(4, shape[0] - 2), shape[1])))
+    return out
+
+
+def _view(t: torch.Tensor, r: Region) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(r.offset, r.size))] if r.size else t
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (exact comparison whatever the dtype: -0.0, NaN payloads, float8)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("which", ["sharded", "single"])
+@pytest.mark.parametrize("use_out", [False, True])
+def test_raw_dcp_reads_equal_safe_reader_and_truth(
+    which: str, use_out: bool, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(which)
+    full = _full() if which == "sharded" else _odd()
+    regions = _regions(full)
+    fast, slow = DCPSource(path), DCPSource(path)
+    slow.raw_reads = False
+    try:
+        for r in regions:
+            dtype = full[r.key].dtype
+            outs = [torch.full(r.size, 7, dtype=torch.float32).to(dtype)] if use_out else None
+            (got,) = fast.read([r], CPU, outs)
+            (ref,) = slow.read([r], CPU, None)
+            want = _view(full[r.key], r)
+            assert torch.equal(_bits(got), _bits(want)), r
+            assert torch.equal(_bits(ref), _bits(want)), r
+        # The fast path was taken for every non-empty chunk (else this test proves nothing).
+        assert fast._raw and all(rc is not None for rc in fast._raw.values())
+        assert not slow._raw
+        if which == "single":
+            t = next(rc for idx, rc in fast._raw.items() if idx.fqn == "t")
+            assert t is not None and not t.row_major and t.stride == (1, 5)
+        # Chunks whose bytes start at an offset that is not a multiple of the page size, nor of
+        # the element size, are among those read.
+        offsets = [rc.data_offset for rc in fast._raw.values() if rc is not None]
+        assert any(o % 4096 for o in offsets)
+        items = [rc.dtype.itemsize for rc in fast._raw.values() if rc is not None]
+        assert any(o % i for o, i in zip(offsets, items) if i > 1)
+    finally:
+        fast.close()
+        slow.close()
+
+
+def test_raw_dcp_batch_read_into_an_arena_and_noncontiguous_out(sharded: Path) -> None:
+    from fsdpcheck.readplan import Arena
+
+    full = _full()
+    regions = _regions(full)
+    src = DCPSource(sharded)
+    try:
+        outs = Arena().carve(CPU, [(r.size, full[r.key].dtype) for r in regions])
+        got = src.read(regions, CPU, outs)
+        for r, g in zip(regions, got):
+            assert torch.equal(_bits(g), _bits(_view(full[r.key], r)))
+        # A destination that is itself a strided view (filled in place, not replaced).
+        r = Region("c", (0, 0), (5, 9))
+        big = torch.zeros(9, 5).t()
+        (g,) = src.read([r], CPU, [big])
+        assert g is big and torch.equal(big, full["c"])
+    finally:
+        src.close()
+
+
+def test_raw_dcp_file_shrinking_after_open_raises(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.arange(4096.0)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    src = DCPSource(tmp_path / "d")
+    try:
+        data = next((tmp_path / "d").glob("*.distcp"))
+        os.truncate(data, data.stat().st_size // 2)
+        with pytest.raises(CheckpointError, match=r"bytes could be read|cannot load"):
+            src.read([Region("x", (0,), (4096,))], CPU)
+    finally:
+        src.close()
+
+
+def test_fingerprint_dcp_equals_whole_tensor_at_any_budget(sharded: Path, single: Path) -> None:
+    for path, full in ((sharded, _full()), (single, _odd())):
+        want = {k: fingerprint_tensor(v) for k, v in full.items()}
+        for budget in (1 << 30, 64, 1):
+            got = fingerprint_checkpoint(path, memory_budget=budget)
+            assert got == want, (path.name, budget)
+
+
+def test_verify_against_dcp_raw_and_safe_agree_and_name_the_element(sharded: Path) -> None:
+    live = {k: v.clone() for k, v in _full().items()}
+    live["w"][7, 4] = live["w"][7, 4] + 1  # in the third chunk (rows 6..8)
+    reports = []
+    for raw in (True, False):
+        src = DCPSource(sharded)
+        src.raw_reads = raw
+        try:
+            reports.append(verify(live, src, memory_budget=100))
+        finally:
+            src.close()
+    fast, slow = reports
+    assert [(f.key, f.kind) for f in fast.findings] == [("w", "value")]
+    assert fast.findings[0].max_abs_index == (7, 4) and fast.findings[0].mismatched == 1
+    assert fast.findings == slow.findings
+
+
+_ST_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int8: "I8", torch.bool: "BOOL", torch.uint8: "U8",
+}  # fmt: skip
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], base_mod8: int) -> int:
+    """A safetensors file written by hand, in the given order, without alignment padding.
+
+    The header is padded with spaces so that the data starts at a byte offset that is
+    `base_mod8` modulo 8; returns that offset.
+    """
+    header: dict[str, Any] = {}
+    blobs, pos = [], 0
+    for k, v in tensors.items():
+        raw = bytes(v.contiguous().reshape(-1).view(torch.uint8).tolist())
+        header[k] = {"dtype": _ST_NAMES[v.dtype], "shape": list(v.shape),
+                     "data_offsets": [pos, pos + len(raw)]}  # fmt: skip
+        blobs.append(raw)
+        pos += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * ((base_mod8 - 8 - len(text)) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    return 8 + len(text)
+
+
+def test_safetensors_mapped_compare_equals_get_slice_and_finds_the_element(
+    tmp_path: Path,
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    a = {
+        "n": torch.randn(6, 10, generator=g),  # 240 bytes
+        "odd": torch.rand(5, generator=g) > 0.5,  # 5 bytes: what follows starts at an odd offset
+        "m": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "z": torch.zeros(0, 4),
+    }
+    b = {k: v.clone() for k, v in a.items()}
+    b["n"][4, 9] = 100.0
+    b["m"][32, 0] = -b["m"][32, 0] - 1
+    base_a = _write_safetensors(tmp_path / "a.safetensors", a, 0)  # n aligned, m odd
+    base_b = _write_safetensors(tmp_path / "b.safetensors", b, 1)  # n odd, m even
+    assert base_a % 4096 and base_b % 4096  # tensors that do not start on a page
+    results = []
+    for mapped in (True, False):
+        for budget in (1 << 30, 40):
+            sa = SafetensorsSource.from_path(tmp_path / "a.safetensors")
+            sb = SafetensorsSource.from_path(tmp_path / "b.safetensors")
+            sa.mapped_reads = sb.mapped_reads = mapped
+            r = compare_checkpoints(sa, sb, device="cpu", memory_budget=budget)
+            results.append([(f.key, f.kind, f.mismatched, f.max_abs_index) for f in r.findings])
+            assert r.elements_checked == sum(v.numel() for v in a.values())
+    assert all(x == results[0] for x in results)
+    assert results[0] == [("m", "value", 1, (32, 0)), ("n", "value", 1, (4, 9))]
+    # Tensors at offsets that are multiples of their element size are read in place; the
+    # others through get_slice (both paths ran above).
+    sa = SafetensorsSource.from_path(tmp_path / "a.safetensors")
+    sb = SafetensorsSource.from_path(tmp_path / "b.safetensors")
+    assert sa._mapped_tensor("n") is not None and sa._mapped_tensor("m") is None
+    assert sb._mapped_tensor("n") is None and sb._mapped_tensor("m") is not None
+    (v,) = sa.read([Region("n", (1, 2), (3, 4))], CPU)
+    assert not v.is_contiguous() and torch.equal(v, a["n"][1:4, 2:6])  # a view, no copy
+
+
+def test_safetensors_duplicate_header_key_is_not_mapped(tmp_path: Path) -> None:
+    f = tmp_path / "d.safetensors"
+    _write_safetensors(f, {"x": torch.arange(4.0)}, 0)
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8 : 8 + n].decode()
+    dup = header[:-1] + ', "x": ' + json.dumps(json.loads(header)["x"]) + "}"
+    f.write_bytes(struct.pack("<Q", len(dup)) + dup.encode() + raw[8 + n :])
+    try:
+        src = SafetensorsSource.from_path(f)
+    except CheckpointError:
+        return  # safetensors itself refused it: nothing is read either way
+    assert src._mapped_tensor("x") is None
+
+
+def test_torch_save_views_noncontiguous_and_blocks(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    full = {"t": torch.randn(12, 7, generator=g).t(), "u": torch.randn(40, generator=g)}
+    torch.save(full, tmp_path / "x.pt")
+    src = TorchSaveSource(tmp_path / "x.pt")
+    (v,) = src.read([Region("t", (1, 2), (5, 6))], CPU)
+    assert not v.is_contiguous() and torch.equal(v, full["t"][1:6, 2:8])
+    other = {k: v.clone() for k, v in full.items()}
+    other["t"][6, 11] = -1.0
+    for budget in (1 << 30, 16):
+        r = compare_checkpoints(tmp_path / "x.pt", other, device="cpu", memory_budget=budget)
+        assert [(f.key, f.kind, f.max_abs_index) for f in r.findings] == [("t", "value", (6, 11))]
+
+
+def test_compare_dcp_against_memory_across_budgets(sharded: Path) -> None:
+    full = _full()
+    other = {k: v.clone() for k, v in full.items()}
+    other["c"][3, 8] = 5.0  # the last column chunk
+    msgs = set()
+    for budget in (1 << 30, 50, 1):
+        r = compare_checkpoints(sharded, MemorySource(other), device="cpu", memory_budget=budget)
+        assert [(f.key, f.kind, f.max_abs_index) for f in r.findings] == [("c", "value", (3, 8))]
+        msgs.add(str(r.findings[0]))
+    assert len(msgs) == 1
+
+
+# -- the pipeline ---------------------------------------------------------------------------
+class _Recorder(MemorySource):
+    """A source that records reads and can fail on one key."""
+
+    def __init__(self, values: dict[str, torch.Tensor], fail: str | None = None) -> None:
+        super().__init__(values)
+        self.fail = fail
+
+    def read(self, regions: Any, device: Any, out: Any = None) -> list[torch.Tensor]:
+        if any(r.key == self.fail for r in regions):
+            raise CheckpointError(f"{self.fail}: planted")
+        # Fill `out` (as byte-range reads do), so arena reuse would show as wrong values.
+        got = super().read(regions, device, None)
+        return [o.copy_(g) for o, g in zip(out, got)] if out is not None else got
+
+
+def test_prefetcher_order_values_and_arena_reuse() -> None:
+    values = {f"k{i}": torch.full((64,), float(i)) for i in range(7)}
+    src = _Recorder(values)
+    plan = ((i, [(src, [Region(f"k{i}", (0,), (64,))])]) for i in range(7))
+    seen = []
+    for tag, ((t,),) in Prefetcher(CPU).run(plan):
+        # Batch tag+1 is being read into the other arena now; this one must be intact.
+        assert torch.equal(t, values[f"k{tag}"])
+        seen.append(tag)
+    assert seen == list(range(7))
+
+
+def test_prefetcher_raises_at_the_failing_batch() -> None:
+    values = {f"k{i}": torch.full((8,), float(i)) for i in range(5)}
+    src = _Recorder(values, fail="k3")
+    plan = ((i, [(src, [Region(f"k{i}", (0,), (8,))])]) for i in range(5))
+    seen = []
+    with pytest.raises(CheckpointError, match="k3: planted"):
+        for tag, _ in Prefetcher(CPU).run(plan):
+            seen.append(tag)
+    assert seen == [0, 1, 2]
+
+
+class _FakeCuda:
+    """A stand-in for torch.cuda that records the stream/event protocol (on CPU tensors)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+        fake = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.id = len(fake.log)
+                self.recorded_on: Any = None
+
+            def record(self, stream: Any) -> None:
+                self.recorded_on = stream
+                fake.log.append(("record", (self.id, stream.name)))
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", self.id))
+
+        class Stream:
+            def __init__(self, device: Any = None, name: str = "side") -> None:
+                self.name = name
+
+            def wait_event(self, ev: Any) -> None:
+                fake.log.append(("wait", (self.name, ev.id)))
+
+        self.Event, self.Stream = Event, Stream
+        self.main = Stream(name="main")
+        self.current: Any = self.main
+
+    def stream(self, s: Any) -> Any:
+        fake = self
+
+        class Ctx:
+            def __enter__(self) -> None:
+                fake.current = s
+                fake.log.append(("enter", s.name))
+
+            def __exit__(self, *a: Any) -> None:
+                fake.current = fake.main
+                fake.log.append(("exit", s.name))
+
+        return Ctx()
+
+    def current_stream(self, device: Any = None) -> Any:
+        return self.current
+
+
+def test_prefetcher_device_stage_protocol_with_a_stand_in_cuda() -> None:
+    """Copies on the side stream, the main stream waits on them, arenas reused after events.
+
+    This machine has no GPU: the stand-in records the protocol; tensors stay on the CPU.
+    """
+    fake = _FakeCuda()
+    values = {f"k{i}": torch.full((16,), float(i)) for i in range(4)}
+    src = _Recorder(values)
+    pf = Prefetcher(CPU, cuda=fake)
+    # Force the staged path on a CPU "device".
+    from fsdpcheck.sources import prefetch
+
+    pf._stage = prefetch._DeviceStage(CPU, fake)
+    plan = ((i, [(src, [Region(f"k{i}", (0,), (16,))])]) for i in range(4))
+    got = []
+    for tag, ((t,),) in pf.run(plan):
+        assert torch.equal(t, values[f"k{tag}"])
+        got.append(tag)
+        fake.log.append(("kernel", tag))
+    assert got == [0, 1, 2, 3]
+    log = fake.log
+    kinds = [k for k, _ in log]
+    # Every batch: copy inside the side stream, its event recorded there, main waits on it.
+    assert kinds.count("enter") == 4
+    for i, (k, _) in enumerate(log):
+        if k == "enter":
+            assert log[i + 1][0] == "record" and log[i + 1][1][1] == "side"
+            assert log[i + 2] == ("exit", "side")
+            assert log[i + 3] == ("wait", ("main", log[i + 1][1][0]))
+    # Batch k's kernel happens before the "consumed" event that batch k+2's copy waits for, and
+    # the host arena of batch k is synchronised (its copy done) before batch k+2 is read into it.
+    consumed = [v[0] for k, v in log if k == "record" and v[1] == "main"]
+    side_waits = [v[1] for k, v in log if k == "wait" and v[0] == "side"]
+    assert side_waits == consumed[: len(side_waits)] and len(side_waits) == 2
+    assert kinds.count("sync") == 2
+    kernel_at = {v: i for i, (k, v) in enumerate(log) if k == "kernel"}
+    first_main_record = next(i for i, (k, v) in enumerate(log) if k == "record" and v[1] == "main")
+    assert kernel_at[0] < first_main_record
+
+
+def test_fingerprint_of_boxes_adds_up_in_batches(sharded: Path) -> None:
+    """The per-chunk sums of a DCP fingerprint equal the box fingerprints of the full tensor."""
+    full = _full()["w"]
+    src = DCPSource(sharded)
+    try:
+        total = 0
+        for off, size in src.chunks("w"):
+            if size[0] == 0:
+                continue
+            (t,) = src.read([Region("w", off, size)], CPU)
+            total = (total + fingerprint_tensor(t, box=Box(tuple(full.shape), off))) % 2**64
+        assert total == fingerprint_tensor(full)
+    finally:
+        src.close()
