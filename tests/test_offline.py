@@ -136,6 +136,7 @@ def test_raw_dcp_reads_equal_safe_reader_and_truth(
     fast, slow = DCPSource(path), DCPSource(path)
     slow.raw_reads = False
     try:
+        in_place = filled = 0
         for r in regions:
             dtype = full[r.key].dtype
             outs = [torch.full(r.size, 7, dtype=torch.float32).to(dtype)] if use_out else None
@@ -144,6 +145,10 @@ def test_raw_dcp_reads_equal_safe_reader_and_truth(
             want = _view(full[r.key], r)
             assert torch.equal(_bits(got), _bits(want)), r
             assert torch.equal(_bits(ref), _bits(want)), r
+            if outs is not None:
+                in_place += got is not outs[0]  # a view of the mapped file
+                filled += got is outs[0]  # byte-range read (misaligned or several chunks)
+        assert not use_out or (in_place and filled)
         # The fast path was taken for every non-empty chunk (else this test proves nothing).
         assert fast._raw and all(rc is not None for rc in fast._raw.values())
         assert not slow._raw
