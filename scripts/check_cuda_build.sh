@@ -27,4 +27,6 @@ info = fsdpcheck.build_info()
 assert "cuda" in info["backends"], info
 print("cuda-build: ok", info["backends"], "torch", info["torch"])
 PY
-"$VENV/bin/python" -m pytest -q
+# The library corpus and trainer integrations test checkpoint layouts, not the build: they run
+# in the main venv (scripts/test.sh), which has the trainer libraries.
+"$VENV/bin/python" -m pytest -q --ignore=tests/test_corpus.py --ignore=tests/test_integrations.py

@@ -4,6 +4,7 @@
 #   FSDPCHECK_VENV   the virtual environment to use (default .venv)
 #   FSDPCHECK_TORCH  the torch to install when the venv has none (default torch==2.13.0)
 #   FSDPCHECK_CUDA   AUTO (default), ON or OFF: build the CUDA implementation
+#   FSDPCHECK_TEST_LIBS  1 (default) installs the trainer libraries of the test corpus, 0 skips
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FSDPCHECK_VENV:-.venv}
@@ -14,7 +15,16 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing ${FSDPCHECK_TORCH:-torch==2.13.0} into $VENV"
   pip_install "${FSDPCHECK_TORCH:-torch==2.13.0}"
 fi
-pip_install numpy safetensors accelerate pytest hypothesis ruff "mypy==2.4.1" "cmake>=3.26" ninja "scikit-build-core>=0.10"
+pip_install numpy safetensors accelerate pytest hypothesis ruff "mypy==2.4.1" "cmake>=3.26" ninja "scikit-build-core>=0.10" setuptools wheel
+# The trainer libraries whose own save code writes the test corpus, pinned to the torch already
+# here so that none of them replaces it. DeepSpeed builds from source: against this torch
+# (--no-build-isolation) and without compiling its C++/CUDA ops (DS_BUILD_OPS=0).
+if [ "${FSDPCHECK_TEST_LIBS:-1}" = "1" ]; then
+  PIN=$(mktemp)
+  "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$PIN"
+  (export DS_BUILD_OPS=0; pip_install --no-build-isolation -c "$PIN" -r requirements-test-libs.txt)
+  rm -f "$PIN"
+fi
 # --no-build-isolation: the extension must be compiled against the torch it will run with.
 echo "setup: building fsdpcheck ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
 pip_install --no-build-isolation -e .
