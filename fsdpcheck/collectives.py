@@ -141,13 +141,15 @@ def agree(comm: Comm, fn: Callable[[], Any], what: str) -> Any:
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        error = (_error_type(exc), describe_error(exc))
+        # The failing rank's `what` travels too: it may name a path only that rank was given,
+        # and every rank must raise the same text.
+        error = (_error_type(exc), describe_error(exc), what)
     failed = [(rank, e) for rank, e in enumerate(comm.all_gather_object(error)) if e]
     if failed:
-        rank, (kind, message) = failed[0]
+        rank, (kind, message, first_what) = failed[0]
         others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
         where = f" on rank {rank}{others}" if comm.world > 1 else ""
-        raise _ERROR_TYPES.get(kind, RuntimeError)(f"{what} failed{where}: {message}")
+        raise _ERROR_TYPES.get(kind, RuntimeError)(f"{first_what} failed{where}: {message}")
     return result
 
 

@@ -178,7 +178,7 @@ def _assemble(gathered: list[Any]) -> FingerprintResult:
                 "error",
                 f"only ranks {holders[key]} have this key (ranks {absent} do not): every rank "
                 "must hold the same keys, so it cannot be fingerprinted",
-                ranks=absent,
+                ranks=holders[key],
             )
         )
     for key in sorted(copies):

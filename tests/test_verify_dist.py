@@ -272,6 +272,23 @@ def a_failure_on_one_rank_reaches_every_rank_without_a_hang(r, case):
     assert "failed on rank 1" in r["load_error"] and "simulated" in r["load_error"]
 
 
+@checks("one_rank_differs")
+def inputs_that_differ_on_one_rank_give_one_verdict_everywhere(r, case):
+    # (The harness also checks that every rank returned exactly this.)
+    assert r["load_missing_on_1"].startswith("FileNotFoundError: ")
+    assert "on rank 1" in r["load_missing_on_1"] and "does not exist" in r["load_missing_on_1"]
+    assert r["load_untouched"]
+    assert "different paths" in r["save_paths_differ"] and r["save_wrote_nothing"]
+    dtype = findings(r["dtype_on_3"], "dtype")
+    assert [(f["key"], f["rank"]) for f in dtype] == [("head.bias", 3)], r["dtype_on_3"]["text"]
+    assert "only ranks [2] have this key (ranks [0, 1, 3] do not)" in r["fingerprint_extra_on_2"]
+    (f,) = findings(r["replicas_extra_on_2"], "error")
+    assert f["key"] == "extra.weight" and f["ranks"] == [2]
+    (f,) = findings(r["param_groups_fail_on_1"])
+    assert (f["key"], f["kind"], f["rank"]) == ("optim.param_groups", "error", 1)
+    assert "simulated on rank 1" in f["message"]
+
+
 # --- the world-4 checkpoint loaded at 2 and 3 ranks -----------------------------------------------
 @checks("reshard_before_load")
 def before_the_load_the_fresh_model_differs(r, case):

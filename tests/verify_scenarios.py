@@ -502,6 +502,61 @@ def one_rank_fails(w: World) -> Any:
     return {"verify": verify_r, "load_error": load_error}
 
 
+@scenario(4)
+def one_rank_differs(w: World) -> Any:
+    """Inputs that differ on one rank only: the same verdict or the same error everywhere."""
+    import importlib
+    from unittest import mock
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    b = w.base
+    out: dict[str, Any] = {}
+
+    def error_of(fn: Any) -> str | None:
+        try:
+            fn()
+        except (RuntimeError, ValueError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # load: the path does not exist on rank 1 only (before: rank 1 raised, the others hung).
+    m, o = build("fsdp", w.size, seed=2)
+    train(m, o, steps=1)
+    before = snapshot(m, o)
+    path = w.ckpts["fsdp4"] if w.rank != 1 else w.workdir / "nowhere"
+    out["load_missing_on_1"] = error_of(lambda: fsdpcheck.load(m, path, optimizer=o))
+    out["load_untouched"] = before == snapshot(m, o)
+    # save: a different directory on each rank.
+    out["save_paths_differ"] = error_of(
+        lambda: fsdpcheck.save(b.fresh, w.workdir / f"ck{w.rank}", optimizer=b.fopt)
+    )
+    out["save_wrote_nothing"] = not any(w.workdir.glob("ck*"))
+    # verify: one tensor in another dtype on rank 3 only (a local cast of its shard).
+    sd = dict(get_model_state_dict(b.fresh))
+    if w.rank == 3:
+        sd["head.bias"] = sd["head.bias"].to(torch.float64)
+    out["dtype_on_3"] = verify(sd, w.ckpts["fsdp4"])
+    # fingerprint / check_replicas: a key that only rank 2 has.
+    sd = dict(get_model_state_dict(b.fresh))
+    if w.rank == 2:
+        sd["extra.weight"] = torch.ones(3)
+    out["fingerprint_extra_on_2"] = error_of(lambda: fingerprint(sd))
+    out["replicas_extra_on_2"] = report(fsdpcheck.check_replicas(sd))
+    # verify: reading param_groups fails on rank 1 only.
+    vmod = importlib.import_module("fsdpcheck.verification")
+    real = vmod._check_param_groups
+
+    def fails_on_1(source: Any, groups: Any) -> Any:
+        if w.rank == 1:
+            raise OSError("Input/output error reading param_groups (simulated on rank 1)")
+        return real(source, groups)
+
+    with mock.patch.object(vmod, "_check_param_groups", fails_on_1):
+        out["param_groups_fail_on_1"] = verify(b.fresh, w.ckpts["fsdp4"], optimizer=b.fopt)
+    return out
+
+
 # --- the world-4 checkpoint at other world sizes -----------------------------------------------
 @scenario(2, 3)
 def reshard_before_load(w: World) -> Any:
