@@ -232,12 +232,24 @@ def _prepare(
 def _check_keys(
     p: _Prepared, live_requires_grad: Mapping[str, bool], check_dtype: bool, world: int
 ) -> None:
-    """Layout, shape, dtype and requires_grad of each matched item; the layouts to compare."""
+    """Storage problems, layout, shape, dtype and requires_grad of each matched item.
+
+    Fills ``p.layouts``: the layout to compare, or None where a finding says why not.
+    """
     entries = p.source.entries()
+    # Coverage before data: a key the storage cannot deliver whole (a gap, a bad entry) is a
+    # finding of its own kind, and never read.
+    problems: dict[str, tuple[str, str]] = {}
+    live_name = {item.ckpt_key: item.key for item in p.match.items}
+    for key, kind, message in p.source.problems():
+        problems.setdefault(key, (kind, message))
+        p.findings.append(Finding(live_name.get(key, key), kind, message))
     for item in p.match.items:
         entry = entries[item.ckpt_key]
         lay = local_layout(item.value, world)
         p.layouts.append(None)
+        if item.ckpt_key in problems:
+            continue
         if lay.error is not None:
             p.findings.append(Finding(item.key, "layout", lay.error))
             continue

@@ -382,3 +382,16 @@ def test_save_refuses_an_optimizer_without_state(tmp_path):
         fsdpcheck.save(m, tmp_path / "ck", optimizer=fresh)
     assert not fresh.state and fsdpcheck.fingerprint(m) == before
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_gap_is_a_gap_finding_in_verify_and_compare_never_data(tmp_path):
+    m, opt = small_model()
+    fsdpcheck.save(m, tmp_path / "ck", optimizer=opt)
+    fsdpcheck.save(m, tmp_path / "good", optimizer=opt)
+    _damage_metadata_gap(tmp_path / "ck")  # rows 3:7 of 0.weight are saved by no chunk
+    r = fsdpcheck.verify(m, tmp_path / "ck", optimizer=opt)
+    assert kinds(r) == [("0.weight", "gap")], str(r)
+    assert "3:7" in r.findings[0].message
+    r = fsdpcheck.compare_checkpoints(tmp_path / "ck", tmp_path / "good")
+    assert kinds(r) == [("0.weight", "gap")], str(r)
+    assert [row.status for row in r.mapping if row.a == "0.weight"] == ["skipped"]
