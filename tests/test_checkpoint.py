@@ -11,8 +11,8 @@ import torch
 
 import fsdpcheck
 from fsdpcheck.sources.tiling import tiling_problems
-from tests import reference
 from fsdpcheck.testing import small_model
+from tests import reference
 
 
 def kinds(r: fsdpcheck.Report) -> list[tuple[str, str]]:
