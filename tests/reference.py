@@ -1,4 +1,5 @@
-"""A float64/numpy reference for the kernels, written from DESIGN.md, not from the C++ code."""
+"""A float64/numpy reference for the kernels, written from the README ("Kernel API" semantics,
+"Fingerprint v1"), not from the C++ code."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def global_indices(local_shape: tuple[int, ...], gshape: tuple[int, ...], offset
 
 
 def fingerprint(t: torch.Tensor, gshape=None, offset=None) -> int:
-    """Fingerprint v1 exactly as DESIGN.md defines it."""
+    """Fingerprint v1 exactly as the README ("Fingerprint v1") defines it."""
     gshape = tuple(t.shape) if gshape is None else tuple(gshape)
     offset = (0,) * t.dim() if offset is None else tuple(offset)
     if t.numel() == 0:
