@@ -28,7 +28,7 @@ from fsdpcheck.live import inner_optimizers, model_canonicalizer
 from fsdpcheck.manifest import Manifest, ManifestEntry, read_manifest, write_manifest
 from fsdpcheck.report import Report, normalized
 from fsdpcheck.sentinel import fill_sentinel, unwritten
-from fsdpcheck.sources import Region, Source, open_path, open_source
+from fsdpcheck.sources import Region, Source, open_path, open_source, refuse_problems
 from fsdpcheck.sources.base import CheckpointError, one_line
 from fsdpcheck.sources.dcp import DCPSource
 from fsdpcheck.verification import verify as verify_full
@@ -375,14 +375,7 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
     for part in info.parts:
         source = open_path(part)
         try:
-            problems = source.problems()
-            if problems:
-                key, kind, message = problems[0]
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise CheckpointError(
-                    f"{part}: {kind} in {key}: {message}{more}; refusing to "
-                    "load it (nothing was loaded)"
-                )
+            refuse_problems(source, part, "load it (nothing was loaded)")
             keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
             if manifest is not None:
                 _manifest_agrees(manifest, source, keys, part)

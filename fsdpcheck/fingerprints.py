@@ -26,7 +26,7 @@ from fsdpcheck.live import live_state
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
-from fsdpcheck.sources import Region, Source, open_source
+from fsdpcheck.sources import Region, Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 
 
@@ -245,11 +245,7 @@ def checkpoint_fingerprints(
         raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
     source = open_source(path)
     try:
-        problems = source.problems()
-        if problems:
-            key, _, message = problems[0]
-            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-            raise ValueError(f"{source.description}: {key}: {message}{more}")
+        refuse_problems(source, source.description, "fingerprint it")
         keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
         names: dict[str, str] = {}
         notes: list[str] = []

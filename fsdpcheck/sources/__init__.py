@@ -9,13 +9,21 @@ from typing import Any
 import torch
 
 from fsdpcheck.formats import describe_path
-from fsdpcheck.sources.base import Entry, Region, Source
+from fsdpcheck.sources.base import CheckpointError, Entry, Region, Source
 from fsdpcheck.sources.dcp import DCPSource
 from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
 
-__all__ = ["Entry", "MergedSource", "Region", "Source", "open_path", "open_source"]
+__all__ = [
+    "Entry",
+    "MergedSource",
+    "Region",
+    "Source",
+    "open_path",
+    "open_source",
+    "refuse_problems",
+]
 
 
 def open_source(reference: Any) -> Source:
@@ -75,3 +83,21 @@ def open_path(path: Path) -> Source:
     if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
         return SafetensorsSource.from_path(path)
     return TorchSaveSource(path)
+
+
+def refuse_problems(source: Source, where: object, action: str) -> None:
+    """Raises CheckpointError (one line) when the source's storage has problems.
+
+    For the commands that need every tensor whole (fingerprint, load); the others report each
+    problem as a finding instead.
+
+    Args:
+        source: The opened checkpoint.
+        where: What to name in the message (a path, or the source's description).
+        action: What is refused, e.g. "load it (nothing was loaded)".
+    """
+    problems = source.problems()
+    if problems:
+        key, kind, message = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{where}: {kind} in {key}: {message}{more}; refusing to {action}")
