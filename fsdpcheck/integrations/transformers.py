@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from fsdpcheck.checkpoint import write_checkpoint_manifest
+from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
@@ -115,15 +116,23 @@ class VerifyOnResume(TrainerCallback):
         optimizer = optimizer if self.check_optimizer else None
         if self.watch_every is not None:
             self._watch = ReplicaWatch(model, optimizer, every=self.watch_every)
-        folder = self._resumed_from(args, state)
+
+        def locate() -> tuple[Path | None, list[Path]]:
+            folder = self._resumed_from(args, state)
+            if folder is None:
+                return None, []
+            files = checkpoint_files(folder, optimizer is not None)
+            if optimizer is not None and len(files) == 1:
+                raise FileNotFoundError(
+                    f"{folder} holds no optimizer state ({', '.join(_OPTIMIZER_FILES)}); pass "
+                    "VerifyOnResume(check_optimizer=False) to check the model only"
+                )
+            return folder, files
+
+        # A folder one rank cannot see must fail on every rank, not leave the others waiting.
+        folder, files = agree(Comm(), locate, "finding the checkpoint the run resumed from")
         if folder is None:
             return
-        files = checkpoint_files(folder, optimizer is not None)
-        if optimizer is not None and len(files) == 1:
-            raise FileNotFoundError(
-                f"{folder} holds no optimizer state ({', '.join(_OPTIMIZER_FILES)}); pass "
-                "VerifyOnResume(check_optimizer=False) to check the model only"
-            )
         self.report = verify_resumed(
             model, folder, optimizer=optimizer, files=files, **self.verify_kwargs
         )
