@@ -15,9 +15,9 @@ from fsdpcheck._version import __version__
 _EXPORTS = {
     "audit": "fsdpcheck.auditing",
     "Box": "fsdpcheck.box",
-    "CheckpointKindError": "fsdpcheck.checkpoint",
-    "load": "fsdpcheck.checkpoint",
-    "save": "fsdpcheck.checkpoint",
+    "CheckpointKindError": "fsdpcheck.loading",
+    "load": "fsdpcheck.loading",
+    "save": "fsdpcheck.saving",
     "compare_checkpoints": "fsdpcheck.comparison",
     "FingerprintError": "fsdpcheck.fingerprints",
     "check_replicas": "fsdpcheck.fingerprints",
@@ -90,7 +90,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from fsdpcheck.auditing import audit
     from fsdpcheck.box import Box
-    from fsdpcheck.checkpoint import CheckpointKindError, load, save
     from fsdpcheck.comparison import compare_checkpoints
     from fsdpcheck.fingerprints import (
         FingerprintError,
@@ -107,7 +106,9 @@ if TYPE_CHECKING:
         fingerprint_tensor,
         fingerprint_tensors,
     )
+    from fsdpcheck.loading import CheckpointKindError, load
     from fsdpcheck.manifest import Manifest, ManifestError, read_manifest
     from fsdpcheck.report import Finding, MappingRow, Report, VerificationError
+    from fsdpcheck.saving import save
     from fsdpcheck.verification import verify
     from fsdpcheck.watch import ReplicaWatch

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.checkpoint import check_against_manifest
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import check_replicas
+from fsdpcheck.loading import check_against_manifest
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.report import Report
 from fsdpcheck.verification import verify

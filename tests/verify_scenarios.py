@@ -480,7 +480,7 @@ def one_rank_fails(w: World) -> Any:
 
     b = w.base
     vmod = importlib.import_module("fsdpcheck.verification")
-    ckmod = importlib.import_module("fsdpcheck.checkpoint")
+    ckmod = importlib.import_module("fsdpcheck.loading")
 
     def unreadable(*_: Any) -> Any:
         raise OSError("Input/output error (simulated on this rank only)")

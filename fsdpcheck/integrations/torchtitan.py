@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.checkpoint import write_checkpoint_manifest
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
+from fsdpcheck.saving import write_checkpoint_manifest
 from fsdpcheck.watch import verify_resumed
 
 __all__ = ["latest_step_folder", "save_manifests", "verify_after_load", "write_step_manifest"]

@@ -22,11 +22,11 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from fsdpcheck.checkpoint import write_checkpoint_manifest
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
+from fsdpcheck.saving import write_checkpoint_manifest
 from fsdpcheck.watch import ReplicaWatch, verify_resumed
 
 __all__ = ["ON_FAILURE", "VerifyOnResume", "checkpoint_files"]
