@@ -57,14 +57,18 @@ def _rows(size: int) -> int:
     return rows - rows % WORLD
 
 
-def _tensors(rows: int) -> dict[str, Any]:
+def _tensors(rows: int, planted: bool = False) -> dict[str, Any]:
+    """The 96 tensors; with `planted`, one element differs (the second file and the DCP save)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return {
+    t = {
         f"layers.{i}.weight": torch.randn(rows, COLS, generator=g).to(torch.bfloat16)
         for i in range(NTENSORS)
     }
+    if planted:
+        t[f"layers.{NTENSORS // 2}.weight"][rows // 3, 7] += 1.0
+    return t
 
 
 def _save_rank(rank: int, world: int, port: int, rows: int, path: str) -> None:
@@ -79,7 +83,7 @@ def _save_rank(rank: int, world: int, port: int, rows: int, path: str) -> None:
     try:
         model = torch.nn.Module()
         layers = torch.nn.ModuleList()
-        for w in _tensors(rows).values():
+        for w in _tensors(rows, planted=True).values():
             m = torch.nn.Module()
             m.weight = torch.nn.Parameter(w)
             layers.append(m)
@@ -92,19 +96,14 @@ def _save_rank(rank: int, world: int, port: int, rows: int, path: str) -> None:
 
 def build(root: Path, size: int) -> dict[str, Path]:
     """Writes a.safetensors, b.safetensors (one element differs) and b_dcp (4 ranks)."""
-    import torch
     from safetensors.torch import save_file
 
     from fsdpcheck._spawn import spawn
 
     rows = _rows(size)
     paths = {"a": root / "a.safetensors", "b": root / "b.safetensors", "dcp": root / "b_dcp"}
-    t = _tensors(rows)
-    save_file(t, str(paths["a"]))
-    key = f"layers.{NTENSORS // 2}.weight"
-    t[key][rows // 3, 7] += torch.tensor(1.0, dtype=torch.bfloat16)
-    save_file(t, str(paths["b"]))
-    del t
+    save_file(_tensors(rows), str(paths["a"]))
+    save_file(_tensors(rows, planted=True), str(paths["b"]))
     spawn(_save_rank, WORLD, (rows, str(paths["dcp"])))
     if not (paths["dcp"] / ".metadata").exists():
         raise SystemExit("the 4-rank save failed")
@@ -303,6 +302,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted")
     ap.add_argument("--keep", type=Path, default=None, help="build (or reuse) the data here")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--src",
         type=Path,
@@ -320,9 +320,14 @@ def main() -> None:
         root = Path(tmp)
     try:
         paths = {"a": root / "a.safetensors", "b": root / "b.safetensors", "dcp": root / "b_dcp"}
+        if args.build_only:
+            build(root, args.size)
+            return
         if not all(p.exists() for p in paths.values()):
+            # In a child: a child's peak RSS counts what it inherited from this process.
             t0 = time.perf_counter()
-            paths = build(root, args.size)
+            cmd = [PY, __file__, "--build-only", "--keep", str(root), "--size", str(args.size)]
+            subprocess.run(cmd, check=True)
             print(f"# built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         print(f"# load before: {os.getloadavg()}", file=sys.stderr)
         results = measure(paths, args.reps, args.cold, args.src)

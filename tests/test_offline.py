@@ -472,3 +472,22 @@ def test_fingerprint_of_boxes_adds_up_in_batches(sharded: Path) -> None:
         assert total == fingerprint_tensor(full)
     finally:
         src.close()
+
+
+@pytest.mark.parametrize("which", ["sharded", "single"])
+def test_zip_scan_fast_path_agrees_with_the_zipfile_module(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    from fsdpcheck.sources import rawio
+
+    path = request.getfixturevalue(which)
+    src = DCPSource(path)
+    try:
+        for info in src._md.storage_data.values():
+            fd = src._fd(info.relative_path)
+            fast = rawio._scan_fast(fd, info.offset, info.length)
+            assert fast is not None and fast == rawio._scan_zipfile(fd, info.offset, info.length)
+            # One byte short of the blob (a storage entry cut short) is no zip for either.
+            assert rawio._scan_fast(fd, info.offset, info.length - 1) is None
+    finally:
+        src.close()

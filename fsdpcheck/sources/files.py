@@ -1,4 +1,4 @@
-"""Full-tensor checkpoints: torch.save files (memory-mapped) and safetensors (sliced reads)."""
+"""Full-tensor checkpoints: torch.save files and safetensors, both read where the bytes lie."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def overlap_in_memory(t: torch.Tensor) -> bool:
 class TorchSaveSource(Source):
     """A torch.save file, loaded with mmap=True and ``weights_only``.
 
-    Only the boxes that are read leave the disk, and no code from the file runs.
+    Only the boxes that are read leave the disk, and no code from the file runs. CPU reads are
+    views of the mapped tensors (no copy; the kernels read strided data in place).
     Nested layouts are accepted (``{"model": ..., "optimizer": ...}``, ``{"state_dict": ...}``);
     the nesting becomes the entries' paths. Tensors whose elements overlap in memory (an
     expanded / stride-0 view, e.g. ``torch.zeros(1).expand(2**36)`` stored in 4 bytes) are
@@ -259,8 +260,11 @@ class SafetensorsSource(Source):
     another shard and tensors a shard holds that the index does not list. Without an index, a
     tensor in two files is a problem and reading it raises (there is no authority to choose).
     Dtypes fsdpcheck cannot compare (U16/U32/U64, complex, F8_E8M0, ...) are refused when
-    opening, naming the file, the tensor and the dtype. Boxes are read with ``get_slice``,
-    which reads just those bytes.
+    opening, naming the file, the tensor and the dtype. On the CPU, boxes are views of the
+    memory-mapped file (the kernels read them in place, pages mapped ahead by the reader
+    thread); a tensor whose bytes are not aligned to its element size, or whose header entry
+    does not agree with what safetensors read, and every read for another device go through
+    ``get_slice``, which reads just those bytes.
     """
 
     kind = "safetensors"

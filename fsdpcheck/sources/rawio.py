@@ -36,6 +36,8 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header (30 byte
 # reads them next takes no page faults; WILLNEED only starts read-ahead into the page cache.
 _MADV_WILLNEED = 3
 _MADV_POPULATE_READ = 22
+# A tensor's data.pkl is a few hundred bytes; a larger one is read the safe slow way.
+_MAX_PICKLE = 1 << 20
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
@@ -198,38 +200,20 @@ def locate_chunk(
     """
     if sys.byteorder != "little":
         return None
-    win = _Window(fd, start, length)
     try:
-        with zipfile.ZipFile(io.BufferedReader(win, 1 << 14)) as zf:
-            infos = zf.infolist()
-            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
-            data = [i for i in infos if "/data/" in i.filename]
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            if len(pkl) != 1 or len(data) != 1 or len(order) != 1:
-                return None
-            prefix = pkl[0].filename[: -len("data.pkl")]
-            record = data[0]
-            if (
-                record.filename != prefix + "data/" + record.filename.rsplit("/", 1)[-1]
-                or any(i.compress_type != zipfile.ZIP_STORED for i in (record, pkl[0]))
-                or zf.read(order[0]) != b"little"
-            ):
-                return None
-            pickled = zf.read(pkl[0])
-            head = win.read_at(record.header_offset, _LOCAL_HEADER.size)
+        found = _scan_fast(fd, start, length) or _scan_zipfile(fd, start, length)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, struct.error):
         return None
-    sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-    if sig != b"PK\x03\x04" or method != 0 or name_len != len(record.filename.encode()):
+    if found is None:
         return None
-    begin = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if begin + record.file_size > length:
+    pickled, order, begin, nbytes = found
+    if order != b"little" or begin + nbytes > length:
         return None
     layout = _layout(pickled, fd, start, length)
     if layout is None:
         return None
     l_dtype, l_shape, l_stride, l_off, l_nbytes = layout
-    if l_dtype != dtype or l_shape != tuple(shape) or l_nbytes != record.file_size:
+    if l_dtype != dtype or l_shape != tuple(shape) or l_nbytes != nbytes:
         return None
     item = dtype.itemsize
     if any(st < 0 for st in l_stride) or l_off < 0:
@@ -240,6 +224,133 @@ def locate_chunk(
     if _overlapping(l_shape, l_stride):
         return None
     return RawChunk(start + begin, l_nbytes, dtype, l_shape, l_stride, l_off)
+
+
+# (data.pkl bytes, byteorder bytes, offset of the storage record's bytes in the blob, its size)
+_Found = tuple[bytes, bytes, int, int]
+_EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory (22 bytes)
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")  # central directory file header (46 bytes)
+_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")  # zip64 end of central directory (56 bytes)
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")  # zip64 end of central directory locator (20 bytes)
+
+
+def _pick(names: list[str]) -> tuple[str, str, str] | None:
+    """(data.pkl, byteorder, storage record) names of a one-tensor torch.save archive, or None."""
+    pkl = [n for n in names if n.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        return None
+    prefix = pkl[0][: -len("data.pkl")]
+    data = [n for n in names if n.startswith(prefix + "data/") and "/" not in n[len(prefix) + 5 :]]
+    others = [n for n in names if "/data/" in n and n not in data]
+    order = [n for n in names if n == prefix + "byteorder"]
+    if len(data) != 1 or others or len(order) != 1:
+        return None
+    return pkl[0], order[0], data[0]
+
+
+def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
+    """The records torch.save writes, from one read of each end of the blob (no zip64).
+
+    Records are found as a zip reader finds them: the end record, the central directory, then
+    each record's local header. Anything unusual (zip64, a comment, compression) returns None
+    and `_scan_zipfile` decides.
+    """
+    if length < _EOCD.size:
+        return None
+    span = min(length, 8192)
+    head = os.pread(fd, span, start)
+    tail = head if span == length else os.pread(fd, span, start + length - span)
+    if len(head) != span or len(tail) != span:
+        return None
+
+    def read(off: int, n: int) -> bytes:
+        if off < 0 or n < 0 or off + n > length:
+            raise ValueError("outside the blob")
+        if off + n <= span:
+            return head[off : off + n]
+        if off >= length - span:
+            return tail[off - (length - span) : off - (length - span) + n]
+        data = os.pread(fd, n, start + off)
+        if len(data) != n:
+            raise ValueError("short read")
+        return data
+
+    sig, disk, _, count, total, cd_size, cd_off, comment = _EOCD.unpack(tail[-_EOCD.size :])
+    if sig != b"PK\x05\x06" or comment or disk or count != total or 0xFFFF in (count, total):
+        return None
+    if 0xFFFFFFFF in (cd_size, cd_off):
+        return None
+    gap = length - _EOCD.size - (cd_off + cd_size)
+    if gap == _ZIP64_EOCD.size + _ZIP64_LOCATOR.size:
+        # torch's writer always adds zip64 end records; they must say what the plain one says.
+        end = cd_off + cd_size
+        z = _ZIP64_EOCD.unpack(read(end, _ZIP64_EOCD.size))
+        loc = _ZIP64_LOCATOR.unpack(read(end + _ZIP64_EOCD.size, _ZIP64_LOCATOR.size))
+        if (
+            z[0] != b"PK\x06\x06"
+            or (z[6], z[7], z[8], z[9]) != (count, total, cd_size, cd_off)
+            or loc[0] != b"PK\x06\x07"
+            or loc[2] != end
+        ):
+            return None
+    elif gap != 0:
+        return None
+    cd = read(cd_off, cd_size)
+    records: dict[str, tuple[int, int, int]] = {}  # name -> (method, size, local header)
+    pos = 0
+    for _ in range(count):
+        f = _CENTRAL.unpack_from(cd, pos)
+        if f[0] != b"PK\x01\x02":
+            return None
+        method, csize, size, n, e, c, offset = f[4], f[8], f[9], f[10], f[11], f[12], f[16]
+        name = cd[pos + _CENTRAL.size : pos + _CENTRAL.size + n].decode("utf-8")
+        if name in records or 0xFFFFFFFF in (csize, size, offset) or csize != size:
+            return None
+        records[name] = (method, size, offset)
+        pos += _CENTRAL.size + n + e + c
+    picked = _pick(list(records))
+    if picked is None:
+        return None
+    parts = []
+    for name in picked:
+        method, size, offset = records[name]
+        sig, _, _, lmethod, _, _, _, _, _, n, e = _LOCAL_HEADER.unpack(read(offset, 30))
+        if method != 0 or lmethod != 0 or sig != b"PK\x03\x04":
+            return None
+        if read(offset + 30, n) != name.encode():
+            return None
+        parts.append((offset + 30 + n + e, size))
+    (p_at, p_n), (o_at, o_n), (d_at, d_n) = parts
+    if p_n > _MAX_PICKLE or o_n > 16:
+        return None
+    return read(p_at, p_n), read(o_at, o_n), d_at, d_n
+
+
+def _scan_zipfile(fd: int, start: int, length: int) -> _Found | None:
+    """`_scan_fast` through the standard library's zip reader (zip64 and other variants)."""
+    win = _Window(fd, start, length)
+    with zipfile.ZipFile(io.BufferedReader(win, 1 << 14)) as zf:
+        infos = {i.filename: i for i in zf.infolist()}
+        if len(infos) != len(zf.infolist()):
+            return None
+        picked = _pick(list(infos))
+        if picked is None:
+            return None
+        pkl, order, record = (infos[n] for n in picked)
+        # Only stored (never inflated) records, and small ones, are read here: a compressed
+        # record could expand without bound.
+        if any(i.compress_type != zipfile.ZIP_STORED for i in (pkl, order, record)):
+            return None
+        if pkl.file_size > _MAX_PICKLE or order.file_size > 16:
+            return None
+        pickled, byteorder = zf.read(pkl), zf.read(order)
+        head = win.read_at(record.header_offset, _LOCAL_HEADER.size)
+        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        name = win.read_at(record.header_offset + _LOCAL_HEADER.size, name_len)
+    if sig != b"PK\x03\x04" or method != 0 or name != record.filename.encode():
+        return None
+    begin = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    return pickled, byteorder, begin, record.file_size
 
 
 def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
