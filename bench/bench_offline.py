@@ -172,7 +172,7 @@ NAIVE_DCP = TIMED.format(
 )
 COMPARE = TIMED.format(
     imports="from fsdpcheck.comparison import compare_checkpoints",
-    work="r = compare_checkpoints(sys.argv[1], sys.argv[2], device='cpu')\n"
+    work="r = compare_checkpoints(sys.argv[1], sys.argv[2], device=sys.argv[3])\n"
     "print([f.key for f in r.findings])",
 )
 FINGERPRINT = TIMED.format(
@@ -206,7 +206,7 @@ def _prefix(src: Path | None) -> str:
 
 
 def measure(
-    paths: dict[str, Path], reps: int, cold: bool, src: Path | None = None
+    paths: dict[str, Path], reps: int, cold: bool, src: Path | None = None, device: str = "cpu"
 ) -> list[dict[str, Any]]:
     a, b, d = str(paths["a"]), str(paths["b"]), str(paths["dcp"])
     pre = _prefix(src)
@@ -221,8 +221,8 @@ def measure(
         ("cat b_dcp", ["sh", "-c", f"cat {d}/* > /dev/null"], nb_dcp, dc, ""),
         ("naive: load_file+equal", [PY, "-c", NAIVE, a, b], nb_st, st, ""),
         ("naive: dcp.load", [PY, "-c", NAIVE_DCP, d], nb_dcp, dc, ""),
-        ("fsdpcheck compare a b", [*fsd, "compare", a, b], nb_st, st, "c"),
-        ("  compare_checkpoints()", [PY, "-c", pre + COMPARE, a, b], nb_st, st, "c"),
+        ("fsdpcheck compare a b", [*fsd, "compare", a, b, "--device", device], nb_st, st, "c"),
+        ("  compare_checkpoints()", [PY, "-c", pre + COMPARE, a, b, device], nb_st, st, "c"),
         ("fsdpcheck fingerprint b_dcp", [*fsd, "fingerprint", d], nb_dcp, dc, "d"),
         ("  fingerprint_checkpoint()", [PY, "-c", pre + FINGERPRINT, d], nb_dcp, dc, "d"),
         ("fsdpcheck audit --deep b_dcp", [*fsd, "audit", "--deep", d], nb_dcp, dc, "d"),
@@ -302,6 +302,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted")
     ap.add_argument("--keep", type=Path, default=None, help="build (or reuse) the data here")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--device", default="cpu", help="where compare runs (cpu or cuda)")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--src",
@@ -330,7 +331,7 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             print(f"# built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         print(f"# load before: {os.getloadavg()}", file=sys.stderr)
-        results = measure(paths, args.reps, args.cold, args.src)
+        results = measure(paths, args.reps, args.cold, args.src, args.device)
         print(f"# load after: {os.getloadavg()}", file=sys.stderr)
         print(table(results))
         if args.json:
