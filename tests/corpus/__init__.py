@@ -10,8 +10,10 @@ global index) a comparison must name. Multi-rank cases are built by ``build_dist
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,11 @@ WRAPPERS = (
     "_fsdp_wrapped_module.",
     "_checkpoint_wrapped_module.",
 )
+
+# Where an element is planted: (model FQN, global index) for a weight, and
+# (model FQN, optimizer state name, global index) for an optimizer moment.
+WeightSpot = tuple[str, tuple[int, ...]]
+MomentSpot = tuple[str, str, tuple[int, ...]]
 
 
 @dataclass
@@ -230,6 +237,86 @@ def bump(t: torch.Tensor, index: tuple[int, ...], delta: float = 0.5) -> float |
     if old is not None:
         set_element(t, index, old + delta)
     return old
+
+
+def optim_state(model: torch.nn.Module, optimizer: Any, fqn: str, name: str) -> torch.Tensor:
+    """The optimizer state tensor `name` of parameter `fqn`, through any optimizer wrapper."""
+    param = model.get_parameter(fqn)
+    for opt in _optimizers(optimizer):
+        if param in opt.state:
+            return opt.state[param][name]
+    raise KeyError(f"{fqn}: no optimizer state in {type(optimizer).__name__} (not stepped yet?)")
+
+
+@contextlib.contextmanager
+def plant(
+    model: torch.nn.Module,
+    weight: WeightSpot,
+    optimizer: Any = None,
+    moment: MomentSpot | None = None,
+) -> Iterator[None]:
+    """Inside the block one weight element (and one optimizer moment) is 0.5 higher.
+
+    Saving inside the block writes the planted twin with the library's own code; afterwards
+    every element is set back to its exact old value (also when the save raises), so the live
+    objects are the clean ones again. Ranks that do not hold an element change nothing there.
+
+    Args:
+        model: The bare module, whose parameter names are the canonical FQNs.
+        weight: Where the weight element is.
+        optimizer: What holds the moment (any wrapper ``_optimizers`` sees through).
+        moment: Where the optimizer moment is; None plants the weight alone.
+    """
+    targets: list[tuple[torch.Tensor, tuple[int, ...]]] = [
+        (model.get_parameter(weight[0]), weight[1])
+    ]
+    if moment is not None:
+        targets.append((optim_state(model, optimizer, moment[0], moment[1]), moment[2]))
+    olds = [bump(t, index) for t, index in targets]
+    try:
+        yield
+    finally:
+        for (t, index), old in zip(targets, olds):
+            set_element(t, index, old)
+
+
+def toy_case(
+    name: str,
+    library: str,
+    layout: str,
+    clean: Path,
+    planted: Path,
+    weight: WeightSpot,
+    moment: MomentSpot | None = None,
+    **fields: Any,
+) -> Case:
+    """The Case of a toy-model checkpoint and its twin saved inside ``plant(weight, moment)``.
+
+    Args:
+        name: The case id.
+        library: The library (and version) whose save code wrote it.
+        layout: The layout fsdpcheck must recognise.
+        clean: The clean checkpoint.
+        planted: The planted twin.
+        weight: The planted weight element.
+        moment: The planted Adam moment: the checkpoint also holds the AdamW state of every
+            parameter. None: a model-only checkpoint.
+        **fields: Any other ``Case`` field (``make_live``, ``non_tensor_keys``, ``extra`` ...).
+    """
+    changes = [Planted(weight[0], weight[1], "weight")]
+    if moment is not None:
+        fields["optim_tensor_keys"] = sorted(optim_keys(TOY_FQNS))
+        changes.append(Planted(f"optim.state.{moment[0]}.{moment[1]}", moment[2], "moment"))
+    return Case(
+        name=name,
+        library=library,
+        path=str(clean),
+        expected_layout=layout,
+        model_keys=sorted(TOY_FQNS),
+        planted_path=str(planted),
+        planted=changes,
+        **fields,
+    )
 
 
 # ------------------------------------------------------------------------------------------

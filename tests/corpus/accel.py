@@ -12,17 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.corpus import (
-    TOY_FQNS,
-    Case,
-    Planted,
-    bump,
-    optim_keys,
-    set_element,
-    toy_batch,
-    toy_model,
-)
-from tests.corpus.live import Live, adamw
+from tests.corpus import Case, plant, toy_case, toy_model
+from tests.corpus.live import Live, adamw, train_steps
 
 PLANT_WEIGHT = ("embed.weight", (9, 0))
 PLANT_MOMENT = ("head.weight", "exp_avg", (0, 7))
@@ -48,10 +39,7 @@ def train(rank: int, world: int) -> Live:
     acc = accelerator()
     raw = toy_model()
     model, opt = acc.prepare(raw, adamw(raw.parameters()))
-    for step in range(2):
-        acc.backward(model(toy_batch(rank, step)).float().pow(2).mean())
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, backward=acc.backward)
     return Live(model=model, optimizer=opt, inner=acc.unwrap_model(model), keep={"acc": acc})
 
 
@@ -67,35 +55,22 @@ def build(rank: int, world: int, root: Path) -> list[Case]:
     import accelerate
 
     live = train(rank, world)
-    w_key, w_idx = PLANT_WEIGHT
-    m_fqn, m_name, m_idx = PLANT_MOMENT
-    inner_opt = live.optimizer.optimizer
     cases = []
     for full in (False, True):
         name = "accelerate_full" if full else "accelerate"
         clean, planted = root / name, root / f"{name}_planted"
         save(live, clean, full)
-        weight = live.inner.get_parameter(w_key)
-        moment = inner_opt.state[live.inner.get_parameter(m_fqn)][m_name]
-        old_w, old_m = bump(weight, w_idx), bump(moment, m_idx)
-        try:
+        with plant(live.inner, PLANT_WEIGHT, live.optimizer, PLANT_MOMENT):
             save(live, planted, full)
-        finally:
-            set_element(weight, w_idx, old_w)
-            set_element(moment, m_idx, old_m)
         cases.append(
-            Case(
-                name=name,
-                library=f"accelerate {accelerate.__version__}",
-                path=str(clean),
-                expected_layout="accelerate",
-                model_keys=sorted(TOY_FQNS),
-                optim_tensor_keys=sorted(optim_keys(TOY_FQNS)),
-                planted_path=str(planted),
-                planted=[
-                    Planted(w_key, w_idx, "weight"),
-                    Planted(f"optim.state.{m_fqn}.{m_name}", m_idx, "moment"),
-                ],
+            toy_case(
+                name,
+                f"accelerate {accelerate.__version__}",
+                "accelerate",
+                clean,
+                planted,
+                PLANT_WEIGHT,
+                PLANT_MOMENT,
                 make_live="tests.corpus.accel:train",
                 extra={"full": full},
             )

@@ -13,21 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.corpus import (
-    TOY_FQNS,
-    Case,
-    Planted,
-    bump,
-    optim_keys,
-    set_element,
-    shard_toy,
-    toy_model,
-)
+from tests.corpus import TOY_FQNS, Case, Planted, optim_keys, plant, shard_toy, toy_case, toy_model
 from tests.corpus.live import Live, adamw, train_steps
 
 VARIANTS = ("fqn_nested", "fqn_flat", "ids_nested", "ids_flat")
 PLANT_WEIGHT = ("layers.1.proj.weight", (6, 3))
 PLANT_MOMENT = ("layers.0.proj.weight", "exp_avg", (2, 5))
+LIBRARY = f"torch {torch.__version__} distributed.checkpoint"
 
 
 def train(rank: int, world: int) -> Live:
@@ -56,40 +48,24 @@ def save(live: Live, path: Path, variant: str) -> None:
     dcp.save(state(live, variant), checkpoint_id=str(path))
 
 
-def _moment(live: Live, fqn: str, name: str) -> torch.Tensor:
-    param = live.inner.get_parameter(fqn)
-    return live.optimizer.state[param][name]
-
-
 def build(rank: int, world: int, root: Path) -> list[Case]:
     """Saves the four variants, their planted twins, and a copy with one chunk's bytes flipped."""
     live = train(rank, world)
     cases = []
-    w_key, w_idx = PLANT_WEIGHT
-    m_fqn, m_name, m_idx = PLANT_MOMENT
     for variant in VARIANTS:
         clean, planted = root / f"dcp_{variant}", root / f"dcp_{variant}_planted"
         save(live, clean, variant)
-        weight, moment = live.inner.get_parameter(w_key), _moment(live, m_fqn, m_name)
-        old_w, old_m = bump(weight, w_idx), bump(moment, m_idx)
-        try:
+        with plant(live.inner, PLANT_WEIGHT, live.optimizer, PLANT_MOMENT):
             save(live, planted, variant)
-        finally:
-            set_element(weight, w_idx, old_w)
-            set_element(moment, m_idx, old_m)
         cases.append(
-            Case(
-                name=f"dcp_{variant}",
-                library=f"torch {torch.__version__} distributed.checkpoint",
-                path=str(clean),
-                expected_layout="dcp",
-                model_keys=sorted(TOY_FQNS),
-                optim_tensor_keys=sorted(optim_keys(TOY_FQNS)),
-                planted_path=str(planted),
-                planted=[
-                    Planted(w_key, w_idx, "weight"),
-                    Planted(f"optim.state.{m_fqn}.{m_name}", m_idx, "moment"),
-                ],
+            toy_case(
+                f"dcp_{variant}",
+                LIBRARY,
+                "dcp",
+                clean,
+                planted,
+                PLANT_WEIGHT,
+                PLANT_MOMENT,
                 make_live="tests.corpus.dcp_plain:train",
                 extra={"variant": variant},
             )
@@ -138,7 +114,7 @@ def flip_chunk(src: Path, dst: Path) -> Case:
     f.write_bytes(bytes(data))
     return Case(
         name="dcp_chunk_flipped",
-        library=f"torch {torch.__version__} distributed.checkpoint",
+        library=LIBRARY,
         path=str(src),
         expected_layout="dcp",
         model_keys=sorted(TOY_FQNS),

@@ -11,17 +11,8 @@ from typing import Any
 
 import torch
 
-from tests.corpus import (
-    TOY_FQNS,
-    Case,
-    Planted,
-    bump,
-    optim_keys,
-    set_element,
-    shard_toy,
-    toy_model,
-)
-from tests.corpus.live import Live, adamw
+from tests.corpus import Case, plant, shard_toy, toy_case, toy_model
+from tests.corpus.live import Live, adamw, train_steps
 
 PLANT_WEIGHT = ("layers.0.proj.bias", (3,))
 PLANT_MOMENT = ("norm.weight", "exp_avg", (4,))
@@ -43,12 +34,7 @@ def train(rank: int, world: int) -> Live:
     fabric.launch()
     model = fabric.setup_module(toy_model())
     opt = fabric.setup_optimizers(adamw(model.parameters()))
-    for step in range(2):
-        from tests.corpus import toy_batch
-
-        fabric.backward(model(toy_batch(rank, step)).float().pow(2).mean())
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, rank, backward=fabric.backward)
     return Live(model=model, optimizer=opt, inner=model.module, keep={"fabric": fabric})
 
 
@@ -64,29 +50,17 @@ def build(rank: int, world: int, root: Path) -> list[Case]:
     live = train(rank, world)
     clean, planted = root / "fabric", root / "fabric_planted"
     save(live, clean)
-    w_key, w_idx = PLANT_WEIGHT
-    m_fqn, m_name, m_idx = PLANT_MOMENT
-    weight = live.inner.get_parameter(w_key)
-    moment = live.optimizer.optimizer.state[live.inner.get_parameter(m_fqn)][m_name]
-    old_w, old_m = bump(weight, w_idx), bump(moment, m_idx)
-    try:
+    with plant(live.inner, PLANT_WEIGHT, live.optimizer, PLANT_MOMENT):
         save(live, planted)
-    finally:
-        set_element(weight, w_idx, old_w)
-        set_element(moment, m_idx, old_m)
     return [
-        Case(
-            name="lightning",
-            library=f"lightning {lightning.__version__}",
-            path=str(clean),
-            expected_layout="lightning",
-            model_keys=sorted(TOY_FQNS),
-            optim_tensor_keys=sorted(optim_keys(TOY_FQNS)),
-            planted_path=str(planted),
-            planted=[
-                Planted(w_key, w_idx, "weight"),
-                Planted(f"optim.state.{m_fqn}.{m_name}", m_idx, "moment"),
-            ],
+        toy_case(
+            "lightning",
+            f"lightning {lightning.__version__}",
+            "lightning",
+            clean,
+            planted,
+            PLANT_WEIGHT,
+            PLANT_MOMENT,
             make_live="tests.corpus.fabric:train",
         )
     ]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.corpus import Case, Planted, bump, set_element
+from tests.corpus import Case, Planted, plant
 
 # 2 layers x 9 tensors + embed + final norm (+ lm_head when untied).
 LAYER_TENSORS = (
@@ -92,12 +92,8 @@ def build(root: Path) -> list[Case]:
             name = f"hf_{'tied' if tied else 'untied'}_{'sharded' if sharded else 'single'}"
             clean, planted = root / name, root / f"{name}_planted"
             _save(model, clean, sharded)
-            param = model.get_parameter(key)
-            old = bump(param, index)
-            try:
+            with plant(model, (key, index)):
                 _save(model, planted, sharded)
-            finally:
-                set_element(param, index, old)
             cases.append(
                 Case(
                     name=name,

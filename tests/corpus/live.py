@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +26,27 @@ class Live:
     keep: dict[str, Any] = field(default_factory=dict)
 
 
-def train_steps(model: torch.nn.Module, optimizer: Any, rank: int, steps: int = 2) -> None:
-    """`steps` AdamW steps on the rank's deterministic batches (same result on every launch)."""
+def train_steps(
+    model: torch.nn.Module,
+    optimizer: Any,
+    rank: int,
+    steps: int = 2,
+    first: int = 0,
+    backward: Callable[[torch.Tensor], Any] | None = None,
+) -> None:
+    """`steps` optimizer steps on the rank's deterministic batches (same result on every launch).
+
+    `first` is the first batch's step number; `backward` is the library's own backward
+    (``fabric.backward``, ``accelerator.backward``) where it has one, else ``loss.backward()``.
+    """
     from tests.corpus import toy_batch
 
-    for step in range(steps):
+    for step in range(first, first + steps):
         loss = model(toy_batch(rank, step)).float().pow(2).mean()
-        loss.backward()
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         optimizer.step()
         optimizer.zero_grad()
 

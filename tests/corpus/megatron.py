@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tests.corpus import TOY_FQNS, Case, Planted, toy_model
+from tests.corpus import Case, toy_case, toy_model
 
 PLANT_WEIGHT = ("layers.0.proj.weight", (6, 2))
 
@@ -65,14 +65,13 @@ def build(rank: int, world: int, root: Path) -> list[Case]:
             state[key][index] += change
             dist_checkpointing.save(sharded_state_dict(state, rank, world), str(path))
     return [
-        Case(
-            name="megatron",
-            library=f"megatron-core {megatron.core.__version__}",
-            path=str(clean),
-            expected_layout="megatron",
-            model_keys=sorted(TOY_FQNS),
+        toy_case(
+            "megatron",
+            f"megatron-core {megatron.core.__version__}",
+            "megatron",
+            clean,
+            planted,
+            PLANT_WEIGHT,
             non_tensor_keys=["iteration", "args"],
-            planted_path=str(planted),
-            planted=[Planted(key, index, "weight")],
         )
     ]
