@@ -27,6 +27,7 @@ scenario = REGISTRY.scenario
 
 
 def accelerator() -> Any:
+    """An Accelerator whose FSDP2 plugin is honoured on CPU (shared with tests/corpus/accel.py)."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 

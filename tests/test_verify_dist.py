@@ -159,9 +159,13 @@ def tiny_memory_budget_reads_in_pieces_and_passes(r, case):
 
 @checks("unreadable")
 def unreadable_file_on_one_rank_reaches_every_rank(r, case):
+    # The truncation is a storage problem seen when the checkpoint is opened (rank 0 truncates
+    # before opening; the others may open before or after): findings naming the file, on every
+    # rank the same, and the keys stored there are never read.
     errs = findings(r, "error")
-    assert errs and all(f["rank"] == 0 for f in errs)
-    assert "reading the reference failed" in errs[0]["message"]
+    assert errs and not r["ok"]
+    assert all("__0_0.distcp" in f["message"] and "truncated" in f["message"] for f in errs)
+    assert all(f["rank"] in (0, None) for f in errs)
 
 
 @checks("not_a_checkpoint")

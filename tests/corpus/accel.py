@@ -10,28 +10,13 @@ assignments in ``accelerator()`` flip its state to FSDP after construction, afte
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from tests.accelerate_scenarios import accelerator
 from tests.corpus import Case, plant, toy_case, toy_model
 from tests.corpus.live import Live, adamw, train_steps
 
 PLANT_WEIGHT = ("embed.weight", (9, 0))
 PLANT_MOMENT = ("head.weight", "exp_avg", (0, 7))
-
-
-def accelerator() -> Any:
-    """An Accelerator whose FSDP2 plugin is honoured on CPU."""
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False
-    )
-    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
-    acc.state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
-    return acc
 
 
 def train(rank: int, world: int) -> Live:
