@@ -10,6 +10,7 @@ Both sides are streamed in row blocks, compared on the GPU when there is one, an
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from fsdpcheck import matching
 from fsdpcheck.box import Box
 from fsdpcheck.collectives import KeyStats
+from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
@@ -71,7 +73,14 @@ def compare_checkpoints(
         sa.close()
         raise
     try:
-        return _compare(sa, sb, rtol, atol, equal_nan, ignore, dev, memory_budget, progress, t0)
+        infos = (_describe(actual), _describe(expected))
+        zero3 = (_zero3(infos[0]), _zero3(infos[1]))
+        report = _compare(
+            sa, sb, zero3, rtol, atol, equal_nan, ignore, dev, memory_budget, progress, t0
+        )
+        for side, info in zip(("actual", "expected"), infos):
+            report.notes += [f"{side}: {n}" for n in (info.notes if info else [])]
+        return report
     finally:
         sa.close()
         sb.close()
@@ -80,6 +89,7 @@ def compare_checkpoints(
 def _compare(
     sa: Source,
     sb: Source,
+    zero3: tuple[bool, bool],
     rtol: float | None,
     atol: float | None,
     equal_nan: bool,
@@ -92,6 +102,10 @@ def _compare(
     ka = matching.checkpoint_keys(sa.entries(), flat=sa.kind == "safetensors")
     kb = matching.checkpoint_keys(sb.entries(), flat=sb.kind == "safetensors")
     notes = _resolve_ids(sa, ka, sb, kb)
+    for side, keys in (("actual", ka), ("expected", kb)):
+        note = matching.non_tensor_note(keys, side)
+        if note:
+            notes.append(note)
     m = matching.match_checkpoints(ka, kb, ignore)
     report = Report(
         reference=sb.description, world_size=1, notes=notes, side_a="actual", side_b="expected"
@@ -122,6 +136,17 @@ def _compare(
         ea, eb = a.entry, b.entry
         if name in bad:
             _skip(status, name, "storage problem")
+            continue
+        if _placeholder(zero3[0], a) or _placeholder(zero3[1], b):
+            findings.append(
+                Finding(
+                    name,
+                    "skipped",
+                    "a DeepSpeed ZeRO-3 placeholder (0 elements; the values live in the ZeRO "
+                    "optimizer partitions): consolidate with zero_to_fp32.py and compare that",
+                )
+            )
+            _skip(status, name, "ZeRO-3 placeholder")
             continue
         if ea.shape != eb.shape:
             findings.append(Finding(name, "shape", f"{ea.shape} in actual, {eb.shape} in expected"))
@@ -198,6 +223,24 @@ class _Block:
     rb: Region
     box: Box
     nbytes: int
+
+
+def _describe(reference: Any) -> CheckpointInfo | None:
+    return describe_path(reference) if isinstance(reference, (str, os.PathLike)) else None
+
+
+def _zero3(info: CheckpointInfo | None) -> bool:
+    """DeepSpeed ZeRO-3: its model-state files hold a (0,) stand-in per partitioned parameter."""
+    return (
+        info is not None
+        and info.layout == "deepspeed"
+        and (info.parts[0].name.startswith("zero_pp_rank_"))
+    )
+
+
+def _placeholder(zero3: bool, key: matching.CkptKey) -> bool:
+    shape = key.entry.shape
+    return zero3 and key.role == "model" and len(shape) > 0 and math.prod(shape) == 0
 
 
 def _skip(status: dict[str | None, MappingRow], name: str, reason: str) -> None:

@@ -187,14 +187,27 @@ def _dcp(p: Path) -> CheckpointInfo:
                 "sharded",
                 f"a megatron-core dist_checkpointing directory ({backend}, {p})",
                 [p],
+                _side_files(p, "common.pt", "megatron's non-tensor state (iteration, args, ...)"),
             )
     if (p / "meta.pt").is_file():
         return CheckpointInfo(
-            p, "lightning", "sharded", f"a Lightning distributed checkpoint ({p})", [p]
+            p,
+            "lightning",
+            "sharded",
+            f"a Lightning distributed checkpoint ({p})",
+            [p],
+            _side_files(p, "meta.pt", "Lightning's non-tensor state (epoch, loops, ...)"),
         )
     if re.fullmatch(r"step-\d+", p.name):
         return CheckpointInfo(p, "torchtitan", "sharded", f"a torchtitan step folder ({p})", [p])
     return CheckpointInfo(p, "dcp", "sharded", f"a DCP checkpoint directory ({p})", [p])
+
+
+def _side_files(p: Path, name: str, what: str) -> list[str]:
+    """A note naming a file of non-tensor state beside the tensors (read by nothing here)."""
+    if (p / name).exists():
+        return [f"{name} holds {what}: not read (fsdpcheck reads tensors, and runs no pickle)"]
+    return []
 
 
 def accelerate_parts(path: Path, index: int = 0) -> tuple[Path | None, Path | None]:

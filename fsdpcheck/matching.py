@@ -291,6 +291,24 @@ def with_prefix(pair: tuple[str, str], name: str) -> str:
     return add + (name[len(strip) :] if name.startswith(strip) else name)
 
 
+def non_tensor_note(keys: CheckpointKeys, side: str = "the checkpoint") -> str | None:
+    """Names the non-tensor training state (lr_scheduler, dataloader, ...) nothing compares.
+
+    Grouped by top-level entry, so that a torchtitan step names ``lr_scheduler``, ``dataloader``
+    and ``train_state`` whatever they hold inside.
+    """
+    groups: dict[str, int] = {}
+    for r in keys.other:
+        if not r.entry.is_tensor:
+            top = r.entry.path[0] if len(r.entry.path) > 1 else r.key
+            groups[top] = groups.get(top, 0) + 1
+    if not groups:
+        return None
+    named = ", ".join(f"{g} ({n})" if n > 1 else g for g, n in sorted(groups.items()))
+    total = sum(groups.values())
+    return f"{side} holds {total} non-tensor entries that are not compared: {named}"
+
+
 # -------------------------------------------------------------------------------------------
 # User choices: ignore patterns and key maps.
 def is_ignored(patterns: Sequence[str] | None, *names: str | None) -> bool:
@@ -442,10 +460,9 @@ def match_live(
         else:
             m.findings.append(Finding(r.name, "unexpected", "in the checkpoint but not live"))
             m.rows.append(MappingRow(None, r.key, "unexpected", "not in the live state"))
-    other = [r.key for r in ckpt.other if not r.entry.is_tensor]
-    if other:
-        shown = ", ".join(other[:6]) + (", ..." if len(other) > 6 else "")
-        m.notes.append(f"{len(other)} non-tensor entries not checked: {shown}")
+    note = non_tensor_note(ckpt)
+    if note:
+        m.notes.append(note)
     m.keys_a = len(live.tensors())
     m.keys_b = len(ckpt.tensors())
     m.rows.sort(key=lambda r: r.a or r.b or "")
