@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import fsdpcheck
 from tests.dist_harness import run_ranks, scenario_result
 from tests.integration_scenarios import REGISTRY
 
@@ -140,3 +141,56 @@ def transformers_resume_is_verified(r):
     assert keys_kinds(r["planted"]) == [("model.layers.0.mlp.up_proj.weight", "value")], r[
         "planted"
     ]["text"]
+
+
+# --- Lightning without a strategy (one process, a .ckpt file) --------------------------------
+def test_lightning_plain_ckpt_resume_is_verified(tmp_path) -> None:
+    import lightning as L
+    import torch
+
+    from fsdpcheck.integrations.lightning import VerifyOnResume
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+            )
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class ChangeOneWeight(L.Callback):  # after the restore, before the resume check
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            with torch.no_grad():
+                pl_module.net[2].weight[1, 3] += 1
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 2)),
+        batch_size=4,
+    )
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                 enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = L.Trainer(max_steps=3, **quiet)
+    trainer.fit(Module(), data)
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert fsdpcheck.describe_path(ckpt).layout == "lightning"
+
+    clean = VerifyOnResume()
+    L.Trainer(max_steps=4, callbacks=[clean], **quiet).fit(Module(), data, ckpt_path=ckpt)
+    assert clean.report is not None and clean.report.ok, str(clean.report)
+    assert clean.report.keys_checked == 4 + 4 * 3  # parameters, AdamW state by integer id
+
+    changed = VerifyOnResume()
+    with pytest.raises(fsdpcheck.VerificationError, match=r"net\.2\.weight"):
+        L.Trainer(max_steps=4, callbacks=[ChangeOneWeight(), changed], **quiet).fit(
+            Module(), data, ckpt_path=ckpt
+        )
+    (f,) = changed.report.findings
+    assert (f.key, f.kind, f.max_abs_index) == ("net.2.weight", "value", (1, 3))
