@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run for the GPU machine (no network; torch, cmake, ninja, scikit-build-core,
 # pytest and hypothesis preinstalled): build there, run the CUDA tests, run the benchmark, and
-# print a short table last. Budget: under 6 minutes. Results also land in $OUT (if set).
+# print a short table last. Budget: under 9 minutes. Results also land in $OUT (if set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fsdpcheck-gpu}
@@ -37,7 +37,18 @@ timeout 90 python bench/bench_verify.py --device cuda --ranks 2 --layers 2 --hid
   --json "$OUT/verify.json" > "$OUT/verify.log" 2>&1
 verify_rc=$?
 grep -E "^#|^[a-z]" "$OUT/verify.log" | grep -v "Warning" | tail -14
+# ReplicaWatch against a training step (2 ranks sharing the GPU over gloo), and the offline
+# commands on a smaller data set with compare on the GPU.
+timeout 90 python bench/bench_watch.py --device cuda --ranks 2 --layout ddp \
+  --json "$OUT/watch.json" > "$OUT/watch.log" 2>&1
+watch_rc=$?
+tail -4 "$OUT/watch.log"
+timeout 150 python bench/bench_offline.py --device cuda --size 512M --reps 2 \
+  --json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
+offline_rc=$?
+tail -14 "$OUT/offline.log"
 # The table last.
 grep -E "^# device|^workload|^(llama|small|cpu-mix)" "$OUT/bench.log" | grep -v "^  " | tail -45
-echo "tests rc=$tests_rc bench rc=$bench_rc verify rc=$verify_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$verify_rc" -eq 0 ]
+echo "tests rc=$tests_rc bench rc=$bench_rc verify rc=$verify_rc watch rc=$watch_rc offline rc=$offline_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$verify_rc" -eq 0 ] && [ "$watch_rc" -eq 0 ] \
+  && [ "$offline_rc" -eq 0 ]
