@@ -183,6 +183,21 @@ AUDIT = TIMED.format(
     imports="from fsdpcheck.auditing import audit",
     work="r = audit(sys.argv[1], deep=True)\nprint([f.key for f in r.findings])",
 )
+# The kernels alone over the same bytes already in memory: the floor on a machine where they,
+# not the reads, are the slower part.
+KERNEL_COMPARE = TIMED.format(
+    imports="import torch\nfrom safetensors.torch import load_file\n"
+    "from fsdpcheck.kernels import compare\n"
+    "a = load_file(sys.argv[1]); b = load_file(sys.argv[2])\n"
+    "xa = [t.add_(0) for t in a.values()]; xb = [t.add_(0) for t in b.values()]",
+    work="compare(xa, xb, fingerprints=False)",
+)
+KERNEL_FINGERPRINT = TIMED.format(
+    imports="import torch\nfrom safetensors.torch import load_file\n"
+    "from fsdpcheck.kernels import fingerprint_tensors\n"
+    "b = load_file(sys.argv[1]); xb = [t.add_(0) for t in b.values()]",
+    work="fingerprint_tensors(xb)",
+)
 VERIFY = TIMED.format(
     imports="import torch\nfrom safetensors.torch import load_file\n"
     "from fsdpcheck.verification import verify\n"
@@ -221,6 +236,8 @@ def measure(
         ("cat b_dcp", ["sh", "-c", f"cat {d}/* > /dev/null"], nb_dcp, dc, ""),
         ("naive: load_file+equal", [PY, "-c", NAIVE, a, b], nb_st, st, ""),
         ("naive: dcp.load", [PY, "-c", NAIVE_DCP, d], nb_dcp, dc, ""),
+        ("kernel: compare in memory", [PY, "-c", pre + KERNEL_COMPARE, a, b], nb_st, [], "c"),
+        ("kernel: fingerprint in memory", [PY, "-c", pre + KERNEL_FINGERPRINT, b], nb_dcp, [], "d"),
         ("fsdpcheck compare a b", [*fsd, "compare", a, b, "--device", device], nb_st, st, "c"),
         ("  compare_checkpoints()", [PY, "-c", pre + COMPARE, a, b, device], nb_st, st, "c"),
         ("fsdpcheck fingerprint b_dcp", [*fsd, "fingerprint", d], nb_dcp, dc, "d"),
