@@ -124,6 +124,30 @@ class Registry:
         return out
 
 
+class Checks(dict):
+    """The test-side checks of a Registry, by scenario name: ``@checks("name")`` registers one.
+
+    A check for a name the registry lacks fails at import, and ``missing()`` lists scenarios
+    nobody checks, so scenario and check cannot drift apart.
+    """
+
+    def __init__(self, registry: Registry) -> None:
+        super().__init__()
+        self.registry = registry
+
+    def __call__(self, name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+        def register(fn: Callable[..., None]) -> Callable[..., None]:
+            assert name in self.registry.scenarios, f"no scenario named {name}"
+            self[name] = fn
+            return fn
+
+        return register
+
+    def missing(self) -> set[str]:
+        """Scenarios without a check."""
+        return set(self.registry.scenarios) - set(self)
+
+
 def run_registries(rank: int, world: int, workdir: Path, plan: dict[str, dict]) -> dict:
     """Inside a rank: ``REGISTRY.run`` of each scenarios module in `plan` (module -> kwargs)."""
     out = {}

@@ -7,30 +7,18 @@ The registered scenarios of tests/accelerate_scenarios.py run in the 2-rank spaw
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 
 pytest.importorskip("accelerate")
 
 from tests.accelerate_scenarios import REGISTRY
-from tests.dist_harness import Spawns
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.accelerate_scenarios"
 CASES = REGISTRY.cases()
 
 
-CHECKS: dict[str, Callable[[Any], None]] = {}
-
-
-def checks(name: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    def register(fn: Callable[[Any], None]) -> Callable[[Any], None]:
-        assert name in REGISTRY.scenarios, f"no scenario named {name}"
-        CHECKS[name] = fn
-        return fn
-
-    return register
+CHECKS = checks = Checks(REGISTRY)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{w}-{n}" for w, n in CASES])
@@ -40,7 +28,7 @@ def test_scenario(case: tuple[int, str], spawns: Spawns) -> None:
 
 
 def test_every_scenario_is_checked() -> None:
-    assert set(CHECKS) == set(REGISTRY.scenarios)
+    assert not CHECKS.missing()
 
 
 @checks("saved")

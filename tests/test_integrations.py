@@ -6,13 +6,12 @@ checks one: no error on any rank, the ranks agree, its checks hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import fsdpcheck
-from tests.dist_harness import run_ranks, scenario_result
+from tests.dist_harness import Checks, run_ranks, scenario_result
 from tests.integration_scenarios import REGISTRY
 
 
@@ -23,16 +22,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     )
 
 
-CHECKS: dict[str, Callable[[Any], None]] = {}
-
-
-def checks(name: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    def register(fn: Callable[[Any], None]) -> Callable[[Any], None]:
-        assert name in REGISTRY.scenarios, f"no scenario named {name}"
-        CHECKS[name] = fn
-        return fn
-
-    return register
+CHECKS = checks = Checks(REGISTRY)
 
 
 @pytest.mark.parametrize("name", list(REGISTRY.scenarios))
@@ -41,7 +31,7 @@ def test_scenario(name: str, ranks: list[dict]) -> None:
 
 
 def test_every_scenario_is_checked() -> None:
-    assert set(CHECKS) == set(REGISTRY.scenarios)
+    assert not CHECKS.missing()
 
 
 def keys_kinds(report: dict) -> list[tuple[str, str]]:

@@ -8,13 +8,12 @@ its checks (registered here under the scenario's name) hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from tests.dist_harness import Spawns
+from tests.dist_harness import Checks, Spawns
 from tests.verify_scenarios import REGISTRY
 
 SCENARIOS_MODULE = "tests.verify_scenarios"
@@ -34,16 +33,7 @@ class Case:
         return self.spawns.result(SCENARIOS_MODULE, world, name)
 
 
-CHECKS: dict[str, Callable[[Any, Case], None]] = {}
-
-
-def checks(name: str) -> Callable[[Callable[[Any, Case], None]], Callable[[Any, Case], None]]:
-    def register(fn: Callable[[Any, Case], None]) -> Callable[[Any, Case], None]:
-        assert name in REGISTRY.scenarios, f"no scenario named {name}"
-        CHECKS[name] = fn
-        return fn
-
-    return register
+CHECKS = checks = Checks(REGISTRY)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"w{w}-{n}" for w, n in CASES])
@@ -53,7 +43,7 @@ def test_scenario(case: tuple[int, str], spawns: Spawns) -> None:
 
 
 def test_every_scenario_is_checked() -> None:
-    assert set(CHECKS) == set(REGISTRY.scenarios)
+    assert not CHECKS.missing()
 
 
 def findings(report: dict, kind: str | None = None) -> list[dict]:

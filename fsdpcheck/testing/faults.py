@@ -56,6 +56,16 @@ def _index(local: torch.Tensor, index: int | tuple[int, ...]) -> tuple[int, ...]
 
 
 @contextlib.contextmanager
+def _restored(local: torch.Tensor, saved: torch.Tensor) -> Iterator[None]:
+    """Puts `saved` back into `local` on exit, however the block ends."""
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            local.copy_(saved)
+
+
+@contextlib.contextmanager
 def plant(
     tensor: torch.Tensor,
     index: int | tuple[int, ...],
@@ -183,11 +193,8 @@ def swap_shards(tensor: torch.Tensor, ranks: tuple[int, int] = (0, 1)) -> Iterat
                 whole = saved.reshape(-1).clone()
                 whole[:n] = into
                 local.copy_(whole.reshape(local.shape))
-    try:
+    with _restored(local, saved):
         yield
-    finally:
-        with torch.no_grad():
-            local.copy_(saved)
 
 
 @contextlib.contextmanager
@@ -211,11 +218,8 @@ def shift_shard(
     saved = local.detach().clone()
     with torch.no_grad():
         local.copy_(torch.roll(saved, shifts, dims=dim))
-    try:
+    with _restored(local, saved):
         yield
-    finally:
-        with torch.no_grad():
-            local.copy_(saved)
 
 
 def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
@@ -252,11 +256,8 @@ def zero_moment(
     saved = local.detach().clone()
     with torch.no_grad():
         local.zero_()
-    try:
+    with _restored(local, saved):
         yield
-    finally:
-        with torch.no_grad():
-            local.copy_(saved)
 
 
 @contextlib.contextmanager
