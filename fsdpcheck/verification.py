@@ -31,6 +31,7 @@ from fsdpcheck.live import live_state
 from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, open_source
+from fsdpcheck.sources.prefetch import batch_bytes
 from fsdpcheck.tolerances import tolerance
 
 
@@ -312,7 +313,12 @@ def _compare_values(
     equal_nan: bool,
     budget: int,
 ) -> int:
-    """Reads and compares every local piece in batches under the budget; returns bytes read."""
+    """Reads and compares every local piece in batches under the budget; returns bytes read.
+
+    Batches are at most ``batch_bytes(budget)`` (32 MiB at most): the arena stays small and
+    warm instead of a budget's worth of freshly faulted pages.
+    """
+    step = batch_bytes(budget)
     entries = p.source.entries()
     arena = Arena()
     batch: list[_Work] = []
@@ -329,7 +335,7 @@ def _compare_values(
         for piece in lay.pieces:
             stats[i].holders = 1
             assert piece.box.offset is not None
-            for off, size in row_blocks(piece.box.offset, piece.tensor.shape, elsize, budget):
+            for off, size in row_blocks(piece.box.offset, piece.tensor.shape, elsize, step):
                 actual = piece.tensor
                 if size != tuple(piece.tensor.shape):  # a block of rows of the piece
                     r0 = off[0] - piece.box.offset[0]
@@ -344,7 +350,7 @@ def _compare_values(
                     lay.replicated,
                 )
                 nbytes = w.region.numel * elsize
-                if batch and held + nbytes > budget:
+                if batch and held + nbytes > step:
                     done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
                     batch, held = [], 0
                 batch.append(w)

@@ -1,4 +1,9 @@
-"""Reference readers: DCP directory, torch.save file, safetensors, in-memory."""
+"""Reference readers: DCP directory, torch.save file, safetensors, in-memory.
+
+The file readers are imported when a path of their kind is opened: the DCP reader pulls in
+torch.distributed.checkpoint (about a second of start-up), which a safetensors compare or
+``fsdpcheck inspect`` of a file never needs.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,6 @@ import torch
 
 from fsdpcheck.formats import describe_path
 from fsdpcheck.sources.base import CheckpointError, Entry, Region, Source
-from fsdpcheck.sources.dcp import DCPSource
-from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
 
@@ -79,7 +82,11 @@ def open_source(reference: Any) -> Source:
 def open_path(path: Path) -> Source:
     """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file."""
     if path.is_dir():
+        from fsdpcheck.sources.dcp import DCPSource
+
         return DCPSource(path)
+    from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
+
     if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
         return SafetensorsSource.from_path(path)
     return TorchSaveSource(path)

@@ -8,7 +8,7 @@ import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -70,6 +70,36 @@ def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
         )  # fmt: skip
         raise CheckpointError(f"{what} {p} is {kind}, not a regular file; refusing to read it")
     return p
+
+
+def relative_path_problem(root: Path, rel: str) -> str | None:
+    """Why a path a checkpoint names may not be opened (outside the checkpoint), or None."""
+    pure = PurePosixPath(rel)
+    if not pure.parts or rel in (".", "./"):
+        return f"names {rel!r}, which is not a file"
+    if pure.is_absolute() or rel.startswith("\\") or ":" in pure.parts[0]:
+        return f"names the absolute path {rel!r}"
+    if ".." in pure.parts or "\\" in rel:
+        return f"names {rel!r}, outside the checkpoint directory"
+    real_root = root.resolve()
+    target = (root / rel).resolve()
+    if target != real_root and real_root not in target.parents:
+        return f"names {rel!r}, a link that leads outside the checkpoint directory"
+    return None
+
+
+def file_problem(root: Path, rel: str, end: int, what: str) -> str | None:
+    """Why bytes ``[.., end)`` of `rel` under `root` cannot be read (one line), or None."""
+    bad = relative_path_problem(root, rel)
+    if bad is not None:
+        return f"{what} {bad}"
+    try:
+        size = check_regular(root / rel, "data file").stat().st_size
+    except (FileNotFoundError, CheckpointError) as exc:
+        return f"{what}: {exc}"
+    if end > size:
+        return f"{what} ends at byte {end} of {rel} but the file has {size} bytes (truncated?)"
+    return None
 
 
 def one_line(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ from fsdpcheck.sources.base import (
     Region,
     Source,
     check_regular,
+    file_problem,
     into,
     nested_entries,
     one_line,
@@ -25,7 +26,6 @@ from fsdpcheck.sources.base import (
     slices,
 )
 from fsdpcheck.sources.rawio import populate
-from fsdpcheck.sources.safe_reader import file_problem
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 

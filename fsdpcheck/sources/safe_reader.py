@@ -20,7 +20,7 @@ import os
 import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fsdpcheck._unpickle import UnsafePickleError, restricted_loads
-from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, one_line
+from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, file_problem, one_line
 from fsdpcheck.sources.tiling import tiling_problems
 
 __all__ = [
@@ -190,36 +190,6 @@ class StorageCheck:
     def problems(self) -> list[Problem]:
         """The findings with kind "gap" or "error" (the Source.problems vocabulary)."""
         return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
-
-
-def _relative_path_problem(root: Path, rel: str) -> str | None:
-    """Why a storage path may not be opened (outside the checkpoint), or None."""
-    pure = PurePosixPath(rel)
-    if not pure.parts or rel in (".", "./"):
-        return f"names {rel!r}, which is not a file"
-    if pure.is_absolute() or rel.startswith("\\") or ":" in pure.parts[0]:
-        return f"names the absolute path {rel!r}"
-    if ".." in pure.parts or "\\" in rel:
-        return f"names {rel!r}, outside the checkpoint directory"
-    real_root = root.resolve()
-    target = (root / rel).resolve()
-    if target != real_root and real_root not in target.parents:
-        return f"names {rel!r}, a link that leads outside the checkpoint directory"
-    return None
-
-
-def file_problem(root: Path, rel: str, end: int, what: str) -> str | None:
-    """Why bytes ``[.., end)`` of `rel` under `root` cannot be read (one line), or None."""
-    bad = _relative_path_problem(root, rel)
-    if bad is not None:
-        return f"{what} {bad}"
-    try:
-        size = check_regular(root / rel, "data file").stat().st_size
-    except (FileNotFoundError, CheckpointError) as exc:
-        return f"{what}: {exc}"
-    if end > size:
-        return f"{what} ends at byte {end} of {rel} but the file has {size} bytes (truncated?)"
-    return None
 
 
 def check_storage(root: str | os.PathLike[str], md: Metadata) -> StorageCheck:
