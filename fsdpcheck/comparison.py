@@ -22,7 +22,7 @@ from fsdpcheck import matching
 from fsdpcheck.box import Box
 from fsdpcheck.collectives import KeyStats
 from fsdpcheck.formats import CheckpointInfo, describe_path
-from fsdpcheck.kernels import SUPPORTED_DTYPES, compare
+from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Entry, Region, Source, open_source
@@ -181,21 +181,11 @@ def _compare(
         for batch in batches(blocks, lambda w: w.nbytes, step)
     )
     for batch, (xa, xb) in Prefetcher(dev).run(plan):
-        groups: dict[tuple[float, float], list[int]] = {}
-        for j, w in enumerate(batch):
-            groups.setdefault(compared[w.pair][3], []).append(j)
-        for (rt, at), idx in groups.items():
-            diffs = compare(
-                [xa[j] for j in idx],
-                [xb[j] for j in idx],
-                rtol=rt,
-                atol=at,
-                equal_nan=equal_nan,
-                boxes=[batch[j].box for j in idx],
-                fingerprints=False,
-            )
-            for j, d in zip(idx, diffs):
-                stats[batch[j].pair].add(d, batch[j].box)
+        settings = [(*compared[w.pair][3], False) for w in batch]
+        boxes = [w.box for w in batch]
+        diffs = compare_each(xa, xb, boxes=boxes, settings=settings, equal_nan=equal_nan)
+        for w, d in zip(batch, diffs):
+            stats[w.pair].add(d, w.box)
         done += sum(w.nbytes for w in batch)
         if progress is not None:
             progress(done, total)

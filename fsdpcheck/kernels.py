@@ -227,6 +227,39 @@ def fingerprint_tensors(
     return out
 
 
+def compare_each(
+    actual: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    *,
+    boxes: Sequence[Box | None],
+    settings: Sequence[tuple[float, float, bool]],
+    equal_nan: bool = True,
+) -> list[TensorDiff]:
+    """``compare`` with a (rtol, atol, fingerprints) setting per pair, results in input order.
+
+    One fused call per distinct setting (a batch of reads usually has one or two).
+    """
+    groups: dict[tuple[float, float, bool], list[int]] = {}
+    for j, setting in enumerate(settings):
+        groups.setdefault(setting, []).append(j)
+    out: list[TensorDiff | None] = [None] * len(settings)
+    for (rtol, atol, fp), idx in groups.items():
+        diffs = compare(
+            [actual[j] for j in idx],
+            [expected[j] for j in idx],
+            rtol=rtol,
+            atol=atol,
+            equal_nan=equal_nan,
+            boxes=[boxes[j] for j in idx],
+            fingerprints=fp,
+        )
+        for j, d in zip(idx, diffs):
+            out[j] = d
+    done = [d for d in out if d is not None]
+    assert len(done) == len(out)  # every pair is in exactly one group
+    return done
+
+
 def fingerprint_tensor(t: torch.Tensor, *, box: Box | None = None) -> int:
     """Fingerprint v1 of one tensor at its box (see ``fingerprint_tensors``)."""
     return fingerprint_tensors([t], boxes=[box])[0]

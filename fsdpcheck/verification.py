@@ -25,7 +25,7 @@ import torch
 from fsdpcheck import matching
 from fsdpcheck.box import Box
 from fsdpcheck.collectives import Comm, KeyStats, combine
-from fsdpcheck.kernels import SUPPORTED_DTYPES, compare
+from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import live_state
 from fsdpcheck.readplan import Arena, row_blocks
@@ -385,21 +385,15 @@ def _flush(
                 findings.append(Finding(m.items[key_index].key, "error", msg))
             continue
         done += sum(r.numel() * r.element_size() for r in refs)
-        groups: dict[tuple[float, float, bool], list[int]] = {}
-        for j, w in enumerate(works):
-            groups.setdefault((*w.tol, w.fingerprint), []).append(j)
-        for (rtol, atol, fp), idx in groups.items():
-            diffs = compare(
-                [works[j].actual for j in idx],
-                [refs[j] for j in idx],
-                rtol=rtol,
-                atol=atol,
-                equal_nan=equal_nan,
-                boxes=[works[j].box for j in idx],
-                fingerprints=fp,
-            )
-            for j, d in zip(idx, diffs):
-                stats[works[j].key_index].add(d, works[j].box)
+        diffs = compare_each(
+            [w.actual for w in works],
+            refs,
+            boxes=[w.box for w in works],
+            settings=[(*w.tol, w.fingerprint) for w in works],
+            equal_nan=equal_nan,
+        )
+        for w, d in zip(works, diffs):
+            stats[w.key_index].add(d, w.box)
         del refs
     return done
 
