@@ -17,7 +17,7 @@ from fsdpcheck.matching import CheckpointKeys, checkpoint_keys, optim_key
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import open_path
 from fsdpcheck.sources.base import Entry
-from fsdpcheck.sources.safe_reader import check_storage, read_dcp_metadata
+from fsdpcheck.sources.safe_reader import check_storage, planner_paths, read_dcp_metadata
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 __all__ = ["Box", "audit", "tiling_problems"]
@@ -81,12 +81,11 @@ def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, p
     tensors = sum(isinstance(m, TensorStorageMetadata) for m in md.state_dict_metadata.values())
     for key, kind, message in check_storage(p, md).findings:
         findings.append(Finding(prefix + key, kind, message))
-    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
-    entries = {}
-    for key, meta in md.state_dict_metadata.items():
-        raw = planner.get(key)
-        path = tuple(str(x) for x in raw) if raw else (key,)
-        entries[key] = Entry(key, path, is_tensor=isinstance(meta, TensorStorageMetadata))
+    paths = planner_paths(md)
+    entries = {
+        key: Entry(key, paths[key], is_tensor=isinstance(meta, TensorStorageMetadata))
+        for key, meta in md.state_dict_metadata.items()
+    }
     _audit_optimizer(checkpoint_keys(entries), findings, prefix)
     try:
         _audit_manifest(p, md, findings, notes, deep, prefix)

@@ -58,9 +58,14 @@ class CheckpointInfo:
 
 
 def is_dcp_dir(path: Path) -> bool:
-    """Whether `path` is a DCP checkpoint directory (holds a ``.metadata`` file)."""
+    """Whether `path` is a DCP checkpoint directory (it holds a ``.metadata`` of any type).
+
+    A ``.metadata`` that is not a regular file (or a dangling link) still marks the directory,
+    so that opening it refuses the file with a clear line instead of treating the directory as
+    something else.
+    """
     try:
-        return path.is_dir() and (path / ".metadata").exists()
+        return path.is_dir() and os.path.lexists(path / ".metadata")
     except OSError:
         return False
 

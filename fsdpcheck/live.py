@@ -84,7 +84,7 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
             if isinstance(optimizer, Mapping):
                 _state_dict_optimizer(out, optimizer, canon)
             else:
-                _read_optimizers(out, model, optimizer, {i: n for i, n in first.items()})
+                _read_optimizers(out, model, optimizer, first)
         return out
     if isinstance(model, Mapping):
         if optimizer is not None and not isinstance(optimizer, Mapping):
@@ -160,7 +160,7 @@ def _read_optimizers(out: LiveState, model: Any, optimizer: Any, fqn_of: dict[in
     out.optim_state, out.param_groups = {}, []
     flat = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     if any(id(p) not in fqn_of for p in flat):
-        _torch_optimizer_state(out, model, optimizers, fqn_of)
+        _torch_optimizer_state(out, model, optimizers)
         return
     for oi, opt in enumerate(optimizers):
         if not opt.state and any(g["params"] for g in opt.param_groups):
@@ -185,7 +185,7 @@ def _read_optimizers(out: LiveState, model: Any, optimizer: Any, fqn_of: dict[in
 
 
 def _torch_optimizer_state(
-    out: LiveState, model: Any, optimizers: list[torch.optim.Optimizer], fqn_of: dict[int, str]
+    out: LiveState, model: Any, optimizers: list[torch.optim.Optimizer]
 ) -> None:
     """FSDP1 flat parameters: only torch knows the mapping; ask it only when that is safe."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -200,7 +200,6 @@ def _torch_optimizer_state(
             )
         )
         return
-    del fqn_of
     osd: Any = get_optimizer_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0])
     canon = matching.canonicalizer(n for n, _ in model.named_parameters(remove_duplicate=False))
     _state_dict_optimizer(out, osd, canon)

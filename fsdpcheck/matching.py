@@ -357,7 +357,7 @@ def match_checkpoints(
 ) -> PairMatch:
     """Pairs the tensors of two checkpoints by canonical name (every tensor lands somewhere)."""
     out = PairMatch()
-    ta, tb = _comparable(a), _comparable(b)
+    ta, tb = a.by_name(), b.by_name()
     for name in sorted(set(ta) | set(tb)):
         ka, kb = ta.get(name), tb.get(name)
         if is_ignored(ignore, name, ka.key if ka else None, kb.key if kb else None):
@@ -371,11 +371,6 @@ def match_checkpoints(
         elif kb is not None:
             out.only_b.append(kb)
     return out
-
-
-def _comparable(c: CheckpointKeys) -> dict[str, CkptKey]:
-    """Canonical name -> tensor key; optimizer state by id stays under its id."""
-    return {r.name: r for r in c.tensors()}
 
 
 # -------------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> M
         world_size: Ranks that saved it.
     """
     keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
-    by_name = {r.name: r.key for r in keys.tensors()}
+    by_name = {name: r.key for name, r in keys.by_name().items()}
     entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()
     for name, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed

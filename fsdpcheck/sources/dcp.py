@@ -38,17 +38,8 @@ from fsdpcheck.sources.rawio import (
     populate,
     pread_into,
 )
-from fsdpcheck.sources.safe_reader import SafeFileSystemReader
+from fsdpcheck.sources.safe_reader import SafeFileSystemReader, planner_paths
 from fsdpcheck.sources.tiling import Box, box_text, intersect, uncovered
-
-
-def is_dcp_dir(path: Path) -> bool:
-    """Whether `path` is a DCP checkpoint directory (it holds a ``.metadata`` of any type).
-
-    A ``.metadata`` that is not a regular file still marks the directory, so that opening it
-    refuses the file with a clear line instead of treating the directory as something else.
-    """
-    return path.is_dir() and os.path.lexists(path / ".metadata")
 
 
 class DCPSource(Source):
@@ -81,17 +72,14 @@ class DCPSource(Source):
         self._md = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self._md, is_coordinator=True)
         self._check = self._reader.storage_check
-        planner_data = self._md.planner_data if isinstance(self._md.planner_data, dict) else {}
+        paths = planner_paths(self._md)
         self._entries: dict[str, Entry] = {}
         # Per tensor key: the chunks that can be read (inside the shape, with a storage entry),
         # and offsets -> sizes for the common case of a region that is exactly one saved chunk.
         self._readable: dict[str, list[Box]] = {}
         self._chunk_at: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         for key, meta in self._md.state_dict_metadata.items():
-            raw = planner_data.get(key)
-            path_t = (
-                tuple(str(p) for p in raw) if isinstance(raw, (list, tuple)) and raw else (key,)
-            )
+            path_t = paths[key]
             if isinstance(meta, TensorStorageMetadata):
                 shape = tuple(meta.size)
                 self._entries[key] = Entry(key, path_t, shape, meta.properties.dtype)

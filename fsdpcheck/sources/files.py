@@ -27,8 +27,6 @@ from fsdpcheck.sources.base import (
 )
 from fsdpcheck.sources.rawio import populate
 
-TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
 # An index.json larger than this is not an index (real ones are a few MB for huge models).
 _MAX_INDEX_BYTES = 256 << 20
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -192,6 +192,19 @@ class StorageCheck:
         return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
 
 
+def planner_paths(md: Metadata) -> dict[str, tuple[str, ...]]:
+    """Each key's structural path from DCP's planner data (the key itself where there is none).
+
+    The path tells containers from dots inside FQNs: ``("model", "layers.0.w")``.
+    """
+    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out = {}
+    for key in md.state_dict_metadata:
+        raw = planner.get(key)
+        out[key] = tuple(str(p) for p in raw) if isinstance(raw, (list, tuple)) and raw else (key,)
+    return out
+
+
 def check_storage(root: str | os.PathLike[str], md: Metadata) -> StorageCheck:
     """Every structural problem of a DCP checkpoint that can be found without reading data.
 
