@@ -156,6 +156,56 @@ def test_every_dtype_with_box_and_strides(dtype):
     assert_diff_matches(d, c.reference(), c.gshape)
 
 
+def _misaligned_copy(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """t's values in a tensor whose data starts `shift` bytes past an element boundary."""
+    raw = (
+        t.contiguous().view(torch.uint8).reshape(-1)
+        if t.numel()
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    buf = bytearray(raw.numel() + 64)
+    base = torch.frombuffer(buf, dtype=torch.uint8)
+    start = (-base.data_ptr()) % 64 + shift  # shift bytes past a 64-byte boundary
+    base[start : start + raw.numel()] = raw
+    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=start).reshape(t.shape)
+    assert out.data_ptr() % t.element_size() == shift % t.element_size()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if d.itemsize > 1], ids=str)
+@pytest.mark.parametrize("n", [1, 511, 512, 513, CHUNK + 3])
+def test_misaligned_inputs(dtype, n):
+    # A CPU tensor may start anywhere (torch.frombuffer; a DCP chunk mapped at an odd file offset
+    # is handed over where it lies): same rows as an aligned copy, and as the reference.
+    gen = torch.Generator().manual_seed(n)
+    a = make_values((n,), dtype, gen)
+    e = perturb(a, 3, gen, 1e-3)
+    want = fsdpcheck.compare([a], [e], rtol=1e-3)
+    for shift in range(1, dtype.itemsize):
+        ma, me = _misaligned_copy(a, shift), _misaligned_copy(e, dtype.itemsize - shift)
+        assert torch.equal(ma.view(torch.uint8), a.view(torch.uint8))
+        assert [repr(x) for x in fsdpcheck.compare([ma], [me], rtol=1e-3)] == [
+            repr(x) for x in want
+        ]
+        # only one side misaligned, and a strided (column) view of a misaligned 2-D tensor
+        assert [repr(x) for x in fsdpcheck.compare([ma], [e], rtol=1e-3)] == [repr(x) for x in want]
+        assert fsdpcheck.fingerprint_tensors([ma]) == fsdpcheck.fingerprint_tensors([a])
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        assert repr(fsdpcheck.compare([ma], [e.to(other)])[0]) == repr(
+            fsdpcheck.compare([a], [e.to(other)])[0]
+        )  # mixed dtypes: the per-element path
+        if n % 2 == 0:
+            box = fsdpcheck.Box((n // 2, 2), (0, 1))
+            col_a, col_ma = a.reshape(n // 2, 2)[:, 1:], ma.reshape(n // 2, 2)[:, 1:]
+            assert fsdpcheck.fingerprint_tensors([col_ma], boxes=[box]) == [
+                reference.fingerprint(col_a.contiguous(), (n // 2, 2), (0, 1))
+            ]
+        c = Case(ma, me, None, 1e-3, 0.0, True)
+        assert_diff_matches(
+            run_scalar_path(c), Case(a, e, None, 1e-3, 0.0, True).reference(), c.gshape
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Planted faults: caught at their exact global location; clean data passes.
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -21,12 +24,15 @@
 #include "fsdpcheck/plan.h"
 
 // NOTE: [SIMD dispatch] The hot loops are compiled three times (AVX-512, AVX2, baseline) and the
-// loader picks one at run time (GCC target_clones / ifunc). Never -march=native: the wheel must run
-// on any x86-64. Elsewhere the loops are compiled once for the baseline.
+// loader picks one at run time (GCC ifuncs: target_clones for loops written once, and target
+// multiversioning for the hash, whose vector width differs per level). Never -march=native: the
+// wheel must run on any x86-64. Elsewhere the loops are compiled once for the baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FSDPCHECK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define FSDPCHECK_MULTIVERSION 1
 #else
 #define FSDPCHECK_CLONES
+#define FSDPCHECK_MULTIVERSION 0
 #endif
 #define FSDPCHECK_INLINE inline __attribute__((always_inline))
 
@@ -46,7 +52,7 @@ FSDPCHECK_INLINE int count_neq_body(const B* a, const B* b, int m) {
 
 // Fingerprint v1 of m elements whose keys are key, key + step, ... The high and low halves are
 // summed separately (the high half only mod 2**32, as it is shifted by 32) so the loop vectorises
-// on 32-bit lanes.
+// on 32-bit lanes. The baseline and the tails of the vector form below.
 template <typename B>
 FSDPCHECK_INLINE uint64_t hash_body(const B* v, int m, uint64_t key, uint64_t step) {
   uint32_t hi = 0;
@@ -68,6 +74,88 @@ FSDPCHECK_INLINE uint64_t hash_body(const B* v, int m, uint64_t key, uint64_t st
   }
   return (static_cast<uint64_t>(hi) << 32) + lo;
 }
+
+#if FSDPCHECK_MULTIVERSION
+// NOTE: [paired lanes] A 64-bit lane holding key(i) is the pair (kl, kh) of 32-bit lanes, and
+// Fingerprint v1's h(i) is exactly fmix32 applied to both halves of (key(i) XOR (v, v)) (8-byte
+// elements: XOR (lo, hi), fmix, XOR (hi, lo), fmix). So one fmix32 over a vector of 32-bit lanes
+// hashes W/8 elements whole, h lands in its 64-bit lane as hi << 32 | lo, and the fingerprint is a
+// plain 64-bit lane sum: no key halves to split out, no separate high and low sums. The element
+// bits reach both halves by one shuffle per W/8 elements (zeros in the upper bytes). W is the
+// vector width in bytes of the level the function is compiled for (64: AVX-512, 32: AVX2).
+template <int W>
+struct Lanes {
+  typedef uint64_t u64 __attribute__((vector_size(W)));
+  typedef uint32_t u32 __attribute__((vector_size(W)));
+};
+
+// out = the (v, v) pairs of elements [G * W/8, (G + 1) * W/8) of the W bytes at v.
+template <int W, typename B, int G, size_t... T>
+FSDPCHECK_INLINE void pair_elements(typename Lanes<W>::u32& out, const B* v,
+                                    std::index_sequence<T...>) {
+  constexpr int kPerHalf = 4 / static_cast<int>(sizeof(B));  // B lanes per 32-bit half
+  constexpr int kLine = W / static_cast<int>(sizeof(B));      // B lanes per vector
+  constexpr int kGroup = W / 8;                               // elements per vector of pairs
+  typedef B Line __attribute__((vector_size(W), aligned(1), may_alias));
+  typedef B LineValue __attribute__((vector_size(W)));
+  const LineValue raw = *reinterpret_cast<const Line*>(v);
+  const LineValue zero = {};
+  // Lane T of the result: the low B lane of each 32-bit half takes the element of its 64-bit
+  // lane; the other B lanes take zero (index kLine: lane 0 of `zero`).
+  // (A cast between vector types of one size reinterprets the bits.)
+  out = (typename Lanes<W>::u32)__builtin_shufflevector(
+      raw, zero, (T % kPerHalf == 0 ? G * kGroup + static_cast<int>(T / kPerHalf) / 2 : kLine)...);
+}
+
+template <int W, typename B, size_t... G>
+FSDPCHECK_INLINE void hash_line(const B* v, typename Lanes<W>::u64& keys,
+                                const typename Lanes<W>::u64& inc, typename Lanes<W>::u64& acc,
+                                std::index_sequence<G...>) {
+  using U32 = typename Lanes<W>::u32;
+  using U64 = typename Lanes<W>::u64;
+  (
+      [&] {
+        U32 x;
+        pair_elements<W, B, static_cast<int>(G)>(x, v, std::make_index_sequence<W / sizeof(B)>());
+        x ^= (U32)keys;
+        fmix32_lanes(x);
+        acc += (U64)x;
+        keys += inc;
+      }(),
+      ...);
+}
+
+template <int W, typename B>
+FSDPCHECK_INLINE uint64_t hash_lanes(const B* v, int m, uint64_t key, uint64_t step) {
+  using U32 = typename Lanes<W>::u32;
+  using U64 = typename Lanes<W>::u64;
+  constexpr int kGroup = W / 8;
+  constexpr int kLine = W / static_cast<int>(sizeof(B));
+  U64 keys;
+  for (int t = 0; t < kGroup; ++t) keys[t] = key + static_cast<uint64_t>(t) * step;
+  U64 inc = {};
+  inc += static_cast<uint64_t>(kGroup) * step;
+  U64 acc = {};
+  int j = 0;
+  for (; j + kLine <= m; j += kLine) {
+    if constexpr (sizeof(B) == 8) {
+      typedef uint64_t Line __attribute__((vector_size(W), aligned(1), may_alias));
+      const U64 w = *reinterpret_cast<const Line*>(v + j);
+      U32 x = (U32)(keys ^ w);
+      fmix32_lanes(x);
+      x ^= (U32)((w >> 32) | (w << 32));
+      fmix32_lanes(x);
+      acc += (U64)x;
+      keys += inc;
+    } else {
+      hash_line<W, B>(v + j, keys, inc, acc, std::make_index_sequence<kLine / kGroup>());
+    }
+  }
+  uint64_t h = 0;
+  for (int t = 0; t < kGroup; ++t) h += acc[t];
+  return h + hash_body(v + j, m - j, key + static_cast<uint64_t>(j) * step, step);
+}
+#endif
 
 struct BlockStats {
   int64_t nan = 0;
@@ -109,18 +197,41 @@ FSDPCHECK_INLINE BlockStats stats_body(const typename Traits<D>::Bits* v, int m,
 
 // Non-template entry points: target_clones applies to plain functions; the always_inline bodies
 // above are compiled inside each clone with that clone's instruction set.
-#define FSDPCHECK_DEF_BITS_KERNELS(B)                                                       \
-  FSDPCHECK_CLONES int count_neq(const B* a, const B* b, int m) {                           \
-    return count_neq_body(a, b, m);                                                         \
-  }                                                                                         \
-  FSDPCHECK_CLONES uint64_t hash(const B* v, int m, uint64_t key, uint64_t step) {          \
-    return hash_body(v, m, key, step);                                                      \
+#define FSDPCHECK_DEF_COUNT_NEQ(B)                                \
+  FSDPCHECK_CLONES int count_neq(const B* a, const B* b, int m) { \
+    return count_neq_body(a, b, m);                               \
   }
-FSDPCHECK_DEF_BITS_KERNELS(uint8_t)
-FSDPCHECK_DEF_BITS_KERNELS(uint16_t)
-FSDPCHECK_DEF_BITS_KERNELS(uint32_t)
-FSDPCHECK_DEF_BITS_KERNELS(uint64_t)
-#undef FSDPCHECK_DEF_BITS_KERNELS
+FSDPCHECK_DEF_COUNT_NEQ(uint8_t)
+FSDPCHECK_DEF_COUNT_NEQ(uint16_t)
+FSDPCHECK_DEF_COUNT_NEQ(uint32_t)
+FSDPCHECK_DEF_COUNT_NEQ(uint64_t)
+#undef FSDPCHECK_DEF_COUNT_NEQ
+
+#if FSDPCHECK_MULTIVERSION
+#define FSDPCHECK_DEF_HASH(B)                                                                  \
+  __attribute__((target("arch=x86-64-v4"))) uint64_t hash(const B* v, int m, uint64_t key,     \
+                                                           uint64_t step) {                    \
+    return hash_lanes<64>(v, m, key, step);                                                    \
+  }                                                                                            \
+  __attribute__((target("arch=x86-64-v3"))) uint64_t hash(const B* v, int m, uint64_t key,     \
+                                                           uint64_t step) {                    \
+    return hash_lanes<32>(v, m, key, step);                                                    \
+  }                                                                                            \
+  __attribute__((target("default"))) uint64_t hash(const B* v, int m, uint64_t key,            \
+                                                   uint64_t step) {                            \
+    return hash_body(v, m, key, step);                                                         \
+  }
+#else
+#define FSDPCHECK_DEF_HASH(B)                                                 \
+  uint64_t hash(const B* v, int m, uint64_t key, uint64_t step) {             \
+    return hash_body(v, m, key, step);                                        \
+  }
+#endif
+FSDPCHECK_DEF_HASH(uint8_t)
+FSDPCHECK_DEF_HASH(uint16_t)
+FSDPCHECK_DEF_HASH(uint32_t)
+FSDPCHECK_DEF_HASH(uint64_t)
+#undef FSDPCHECK_DEF_HASH
 
 template <DType D>
 BlockStats stats(const typename Traits<D>::Bits* v, int m, bool with_stats);
@@ -186,9 +297,19 @@ class FpEnvGuard {
 #endif
 };
 
+// Elements [j0, j0 + m) of a run starting at src (stride in elements), as an aligned contiguous
+// array: in place when it is one, else copied into buf. src may be misaligned (see load_as).
 template <typename B>
-const B* gather(B* buf, const B* src, int64_t stride, int m) {
-  for (int j = 0; j < m; ++j) buf[j] = src[j * stride];
+FSDPCHECK_INLINE const B* block(B* buf, const char* src, int64_t stride, int64_t j0, int m) {
+  if (stride == 1) {
+    const char* p = src + j0 * static_cast<int64_t>(sizeof(B));
+    if (reinterpret_cast<uintptr_t>(p) % alignof(B) == 0) return reinterpret_cast<const B*>(p);
+    std::memcpy(buf, p, static_cast<size_t>(m) * sizeof(B));
+    return buf;
+  }
+  const int64_t step = stride * static_cast<int64_t>(sizeof(B));
+  const char* p = src + j0 * step;
+  for (int j = 0; j < m; ++j) buf[j] = load_as<B>(p + j * step);
   return buf;
 }
 
@@ -200,8 +321,7 @@ struct Run {
 };
 
 template <DType D>
-void run_pair_same(const typename Traits<D>::Bits* a, int64_t sa,
-                   const typename Traits<D>::Bits* e, int64_t se, const Run& run,
+void run_pair_same(const char* a, int64_t sa, const char* e, int64_t se, const Run& run,
                    const Options& o, Partial& acc) {
   using B = typename Traits<D>::Bits;
   alignas(64) B ba[simd::kBlock];
@@ -209,8 +329,8 @@ void run_pair_same(const typename Traits<D>::Bits* a, int64_t sa,
   const uint64_t kstep = static_cast<uint64_t>(run.gstep) * kKeyMul;
   for (int64_t j0 = 0; j0 < run.n; j0 += simd::kBlock) {
     const int m = static_cast<int>(std::min<int64_t>(simd::kBlock, run.n - j0));
-    const B* pa = sa == 1 ? a + j0 : gather(ba, a + j0 * sa, sa, m);
-    const B* pe = se == 1 ? e + j0 : gather(be, e + j0 * se, se, m);
+    const B* pa = block(ba, a, sa, j0, m);
+    const B* pe = block(be, e, se, j0, m);
     const int64_t g0 = run.g + j0 * run.gstep;
     const uint64_t key = hash_key(static_cast<uint64_t>(g0));
     if (simd::count_neq(pa, pe, m) == 0) {
@@ -264,14 +384,13 @@ void run_pair_same(const typename Traits<D>::Bits* a, int64_t sa,
 }
 
 template <DType D>
-void run_single(const typename Traits<D>::Bits* a, int64_t sa, const Run& run, const Options& o,
-                Partial& acc) {
+void run_single(const char* a, int64_t sa, const Run& run, const Options& o, Partial& acc) {
   using B = typename Traits<D>::Bits;
   alignas(64) B ba[simd::kBlock];
   const uint64_t kstep = static_cast<uint64_t>(run.gstep) * kKeyMul;
   for (int64_t j0 = 0; j0 < run.n; j0 += simd::kBlock) {
     const int m = static_cast<int>(std::min<int64_t>(simd::kBlock, run.n - j0));
-    const B* pa = sa == 1 ? a + j0 : gather(ba, a + j0 * sa, sa, m);
+    const B* pa = block(ba, a, sa, j0, m);
     if (o.fingerprints) {
       acc.fp_a += simd::hash(pa, m, hash_key(static_cast<uint64_t>(run.g + j0 * run.gstep)), kstep);
     }
@@ -328,15 +447,15 @@ void process_chunk_scalar(const TensorPlan& p, int64_t c, const Options& o, Part
   visit_dtype(p.dtype_a, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     using B = typename Traits<D>::Bits;
-    const B* a = reinterpret_cast<const B*>(p.a);
-    const B* e = reinterpret_cast<const B*>(p.e);
+    constexpr int64_t kSize = sizeof(B);
     for (int64_t l = l0; l < l1; ++l) {
       const Location loc = locate_in_chunk(p, start, l - l0);
       const uint64_t key = hash_key(static_cast<uint64_t>(loc.g));
-      if (e == nullptr) {
-        accumulate_element<D, false>(out, a[loc.off_a], B{0}, loc.g, key, o);
+      const B ba = load_as<B>(p.a + loc.off_a * kSize);
+      if (p.e == nullptr) {
+        accumulate_element<D, false>(out, ba, B{0}, loc.g, key, o);
       } else {
-        accumulate_element<D, true>(out, a[loc.off_a], e[loc.off_e], loc.g, key, o);
+        accumulate_element<D, true>(out, ba, load_as<B>(p.e + loc.off_e * kSize), loc.g, key, o);
       }
     }
   });
@@ -357,15 +476,14 @@ void process_chunk(const TensorPlan& p, int64_t c, const Options& o, Partial& ou
   visit_dtype(p.dtype_a, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     using B = typename Traits<D>::Bits;
-    const B* a = reinterpret_cast<const B*>(p.a);
+    constexpr int64_t kSize = sizeof(B);
     if (p.e == nullptr) {
       for_each_run(p, l0, l1, [&](int64_t oa, int64_t, const Run& run) {
-        run_single<D>(a + oa, sa, run, o, out);
+        run_single<D>(p.a + oa * kSize, sa, run, o, out);
       });
     } else {
-      const B* e = reinterpret_cast<const B*>(p.e);
       for_each_run(p, l0, l1, [&](int64_t oa, int64_t oe, const Run& run) {
-        run_pair_same<D>(a + oa, sa, e + oe, se, run, o, out);
+        run_pair_same<D>(p.a + oa * kSize, sa, p.e + oe * kSize, se, run, o, out);
       });
     }
   });
@@ -386,28 +504,39 @@ std::vector<Partial> run_plans(const std::vector<TensorPlan>& plans, const Optio
   const int64_t total_chunks = first_chunk[n];
   std::vector<Partial> parts(static_cast<size_t>(total_chunks));
 
-  // Chunk ranges [begin, end) of the global chunk list, one per worker.
-  auto work = [&](int64_t begin, int64_t end) {
-    FpEnvGuard fp_env;
-    size_t t = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) - first_chunk.begin() - 1;
-    for (int64_t c = begin; c < end; ++c) {
-      while (c >= first_chunk[t + 1]) ++t;
-      Partial& part = parts[static_cast<size_t>(c)];
-      if (scalar) {
-        process_chunk_scalar(plans[t], c - first_chunk[t], o, part);
-      } else {
-        process_chunk(plans[t], c - first_chunk[t], o, part);
-      }
+  auto process = [&](int64_t c, size_t& t) {
+    while (c >= first_chunk[t + 1]) ++t;
+    Partial& part = parts[static_cast<size_t>(c)];
+    if (scalar) {
+      process_chunk_scalar(plans[t], c - first_chunk[t], o, part);
+    } else {
+      process_chunk(plans[t], c - first_chunk[t], o, part);
     }
   };
   const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t workers = std::min({max_threads, std::max<int64_t>(1, total_elements / kMinElementsPerThread),
                                     std::max<int64_t>(1, total_chunks)});
-  // NOTE: [chunk workers] at::parallel_for runs on torch's intra-op pool (no thread start-up per
-  // call) and rethrows a worker's exception here. Each chunk writes only its own partial and the
-  // second phase combines them in chunk order, so the result does not depend on the split.
-  const int64_t grain = std::max<int64_t>(1, (total_chunks + workers - 1) / workers);
-  at::parallel_for(0, total_chunks, grain, work);
+  if (workers == 1) {
+    FpEnvGuard fp_env;
+    size_t t = 0;
+    for (int64_t c = 0; c < total_chunks; ++c) process(c, t);
+  } else {
+    // NOTE: [chunk workers] at::parallel_for runs on torch's intra-op pool (no thread start-up
+    // per call) and rethrows a worker's exception here. Its split is static, so each worker
+    // instead takes the next chunk from a shared counter, in order: a worker slowed down (a
+    // reader thread of the offline commands on the same core) takes fewer chunks instead of
+    // holding the others at the end. Each chunk writes only its own partial and the second
+    // phase combines them in chunk order, so the result does not depend on who took what.
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      FpEnvGuard fp_env;
+      size_t t = 0;
+      for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total_chunks;
+           c = next.fetch_add(1, std::memory_order_relaxed)) {
+        process(c, t);
+      }
+    });
+  }
 
   // Second phase: combine each tensor's chunk partials in chunk order (fixed, so deterministic).
   std::vector<Partial> out(n);

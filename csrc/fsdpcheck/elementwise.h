@@ -40,12 +40,19 @@ constexpr int kNumDTypes = 12;
 constexpr uint64_t kKeyAdd = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t kKeyMul = 0xD6E8FEB86659FD93ULL;
 
-FSDPCHECK_HD uint32_t fmix32(uint32_t x) {
+// The murmur3 finalizer on every 32-bit lane of U: uint32_t here and in the CUDA kernels, a GCC
+// vector of uint32_t lanes in the CPU's vectorised loops (in place: no vector passed by value).
+template <typename U>
+FSDPCHECK_HD void fmix32_lanes(U& x) {
   x ^= x >> 16;
   x *= 0x85EBCA6BU;
   x ^= x >> 13;
   x *= 0xC2B2AE35U;
   x ^= x >> 16;
+}
+
+FSDPCHECK_HD uint32_t fmix32(uint32_t x) {
+  fmix32_lanes(x);
   return x;
 }
 
@@ -278,17 +285,32 @@ FSDPCHECK_HD Value decode(typename Traits<D>::Bits b) {
   return v;
 }
 
+// One element of type B at p. On the host p may be misaligned (a CPU tensor can be, e.g. from
+// torch.frombuffer or a mapped DCP chunk at an odd file offset), so it is read byte-wise, which
+// compiles to one plain load; device memory from torch is always element-aligned.
+template <typename B>
+FSDPCHECK_HD B load_as(const char* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const B*>(p);
+#else
+  B v;
+  __builtin_memcpy(&v, p, sizeof(B));
+  return v;
+#endif
+}
+
 // Raw bits of one element at p, zero-extended; the hash of that element at `key`.
 FSDPCHECK_HD uint64_t load_bits(const void* p, int size) {
+  const char* c = static_cast<const char*>(p);
   switch (size) {
     case 8:
-      return *static_cast<const uint64_t*>(p);
+      return load_as<uint64_t>(c);
     case 4:
-      return *static_cast<const uint32_t*>(p);
+      return load_as<uint32_t>(c);
     case 2:
-      return *static_cast<const uint16_t*>(p);
+      return load_as<uint16_t>(c);
     default:
-      return *static_cast<const uint8_t*>(p);
+      return load_as<uint8_t>(c);
   }
 }
 FSDPCHECK_HD uint64_t hash_bits(uint64_t key, uint64_t bits, int size) {

@@ -6,6 +6,7 @@ import contextlib
 import io
 import itertools
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -101,7 +102,7 @@ class DCPSource(Source):
         # Raw chunk locations (None: read through the safe reader), open files, worker threads.
         self._raw: dict[MetadataIndex, RawChunk | None] = {}
         self._fds: dict[str, int] = {}
-        self._maps: dict[str, torch.UntypedStorage | None] = {}
+        self._maps: dict[str, mmap.mmap | None] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._finalizer = weakref.finalize(self, _release, self._fds, [None])
@@ -232,11 +233,13 @@ class DCPSource(Source):
         """The region as a view of the mapped data file, when one raw chunk holds all of it.
 
         NOTE: [mapped chunks] Mapping page-cache pages costs a fraction of copying them (a few
-        ms per 100 MB against tens), so a region inside one chunk whose bytes start at a
-        multiple of the element size is handed over where it lies (pages mapped now, see
-        `populate`). Before that the file's current size is checked again: a mapped file that
-        shrank would kill the process with SIGBUS where a read raises an error. Other regions
-        (several chunks, misaligned bytes, another device) are read into the destination.
+        ms per 100 MB against tens), so a region inside one chunk is handed over where it lies
+        (pages mapped now, see `populate`), at whatever byte offset the chunk has: DCP writes
+        the chunks of a file back to back, so about half of them start at an odd offset, and
+        the kernels read misaligned elements (load_as). Before that the file's current size is
+        checked again: a mapped file that shrank would kill the process with SIGBUS where a read
+        raises an error. Other regions (several chunks, another device) are read into the
+        destination.
         """
         if not self.raw_reads or not region.numel or len(chunks) != 1:
             return None
@@ -246,38 +249,44 @@ class DCPSource(Source):
             return None
         index = MetadataIndex(region.key, torch.Size(c_off))
         rc = self._raw_chunk(index, c_size)
-        if rc is None or rc.data_offset % rc.dtype.itemsize:
+        if rc is None:
             return None
         rel = self._md.storage_data[index].relative_path
-        storage = self._map(rel)
+        mapped = self._map(rel)
         end = rc.data_offset + rc.nbytes
-        if storage is None or end > os.fstat(self._fd(rel)).st_size or end > storage.nbytes():
+        if mapped is None or end > os.fstat(self._fd(rel)).st_size or end > len(mapped):
             return None
         item = rc.dtype.itemsize
-        t = torch.empty(0, dtype=rc.dtype).set_(
-            storage, rc.data_offset // item + rc.storage_offset, rc.shape, rc.stride
-        )
+        span = 1 + sum((s - 1) * st for s, st in zip(rc.shape, rc.stride))  # elements reached
+        start = rc.data_offset + rc.storage_offset * item
+        if start + span * item > end:
+            return None
+        t = torch.frombuffer(mapped, dtype=rc.dtype, count=span, offset=start)
+        t = t.as_strided(rc.shape, rc.stride)
         for d, (o, s, c) in enumerate(zip(region.offset, region.size, c_off)):
             t = t.narrow(d, o - c, s)
         populate(t)
         return t
 
-    def _map(self, rel: str) -> torch.UntypedStorage | None:
-        """The data file mapped read-only and private (cached; None if it cannot be mapped)."""
+    def _map(self, rel: str) -> mmap.mmap | None:
+        """The data file mapped private (cached; None if it cannot be mapped).
+
+        Copy-on-write (``ACCESS_COPY``) only so that torch.frombuffer gets a writable buffer:
+        nothing writes to it, and a write could never reach the file.
+        """
         with self._lock:
             if rel in self._maps:
                 return self._maps[rel]
-        storage = None
+        mapped = None
         size = os.fstat(self._fd(rel)).st_size
         if size > 0:
             try:
-                got = torch.UntypedStorage.from_file(str(self.path / rel), False, size)
-                storage = got if isinstance(got, torch.UntypedStorage) else None
-            except RuntimeError:
-                storage = None
+                mapped = mmap.mmap(self._fd(rel), size, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError):
+                mapped = None
         with self._lock:
-            self._maps[rel] = storage
-        return storage
+            self._maps[rel] = mapped
+        return mapped
 
     def _raw_chunk(self, index: MetadataIndex, size: tuple[int, ...]) -> RawChunk | None:
         """Where a chunk's elements lie (cached), or None to read it through the safe reader."""
