@@ -43,10 +43,14 @@ namespace simd {
 // equality test, the hash and the statistics loops, large enough to amortise the calls.
 constexpr int kBlock = 512;
 
+// The loops below read elements with load_as from byte pointers: the elements of a CPU tensor
+// may sit at any address (see load_as), and such loads vectorise to unaligned vector loads.
 template <typename B>
-FSDPCHECK_INLINE int count_neq_body(const B* a, const B* b, int m) {
+FSDPCHECK_INLINE int count_neq_body(const char* a, const char* b, int m) {
   int c = 0;
-  for (int j = 0; j < m; ++j) c += a[j] != b[j];
+  for (int j = 0; j < m; ++j) {
+    c += load_as<B>(a + j * sizeof(B)) != load_as<B>(b + j * sizeof(B));
+  }
   return c;
 }
 
@@ -54,19 +58,20 @@ FSDPCHECK_INLINE int count_neq_body(const B* a, const B* b, int m) {
 // summed separately (the high half only mod 2**32, as it is shifted by 32) so the loop vectorises
 // on 32-bit lanes. The baseline and the tails of the vector form below.
 template <typename B>
-FSDPCHECK_INLINE uint64_t hash_body(const B* v, int m, uint64_t key, uint64_t step) {
+FSDPCHECK_INLINE uint64_t hash_body(const char* v, int m, uint64_t key, uint64_t step) {
   uint32_t hi = 0;
   uint64_t lo = 0;
   for (int j = 0; j < m; ++j) {
     const uint32_t kl = static_cast<uint32_t>(key);
     const uint32_t kh = static_cast<uint32_t>(key >> 32);
+    const B b = load_as<B>(v + j * sizeof(B));
     if constexpr (sizeof(B) == 8) {
-      const uint32_t vl = static_cast<uint32_t>(v[j]);
-      const uint32_t vh = static_cast<uint32_t>(v[j] >> 32);
+      const uint32_t vl = static_cast<uint32_t>(b);
+      const uint32_t vh = static_cast<uint32_t>(b >> 32);
       hi += fmix32(fmix32(kh ^ vh) ^ vl);
       lo += fmix32(fmix32(kl ^ vl) ^ vh);
     } else {
-      const uint32_t x = v[j];
+      const uint32_t x = b;
       hi += fmix32(kh ^ x);
       lo += fmix32(kl ^ x);
     }
@@ -91,7 +96,7 @@ struct Lanes {
 
 // out = the (v, v) pairs of elements [G * W/8, (G + 1) * W/8) of the W bytes at v.
 template <int W, typename B, int G, size_t... T>
-FSDPCHECK_INLINE void pair_elements(typename Lanes<W>::u32& out, const B* v,
+FSDPCHECK_INLINE void pair_elements(typename Lanes<W>::u32& out, const char* v,
                                     std::index_sequence<T...>) {
   constexpr int kPerHalf = 4 / static_cast<int>(sizeof(B));  // B lanes per 32-bit half
   constexpr int kLine = W / static_cast<int>(sizeof(B));      // B lanes per vector
@@ -108,7 +113,7 @@ FSDPCHECK_INLINE void pair_elements(typename Lanes<W>::u32& out, const B* v,
 }
 
 template <int W, typename B, size_t... G>
-FSDPCHECK_INLINE void hash_line(const B* v, typename Lanes<W>::u64& keys,
+FSDPCHECK_INLINE void hash_line(const char* v, typename Lanes<W>::u64& keys,
                                 const typename Lanes<W>::u64& inc, typename Lanes<W>::u64& acc,
                                 std::index_sequence<G...>) {
   using U32 = typename Lanes<W>::u32;
@@ -126,7 +131,7 @@ FSDPCHECK_INLINE void hash_line(const B* v, typename Lanes<W>::u64& keys,
 }
 
 template <int W, typename B>
-FSDPCHECK_INLINE uint64_t hash_lanes(const B* v, int m, uint64_t key, uint64_t step) {
+FSDPCHECK_INLINE uint64_t hash_lanes(const char* v, int m, uint64_t key, uint64_t step) {
   using U32 = typename Lanes<W>::u32;
   using U64 = typename Lanes<W>::u64;
   constexpr int kGroup = W / 8;
@@ -140,7 +145,7 @@ FSDPCHECK_INLINE uint64_t hash_lanes(const B* v, int m, uint64_t key, uint64_t s
   for (; j + kLine <= m; j += kLine) {
     if constexpr (sizeof(B) == 8) {
       typedef uint64_t Line __attribute__((vector_size(W), aligned(1), may_alias));
-      const U64 w = *reinterpret_cast<const Line*>(v + j);
+      const U64 w = *reinterpret_cast<const Line*>(v + j * 8);
       U32 x = (U32)(keys ^ w);
       fmix32_lanes(x);
       x ^= (U32)((w >> 32) | (w << 32));
@@ -148,12 +153,13 @@ FSDPCHECK_INLINE uint64_t hash_lanes(const B* v, int m, uint64_t key, uint64_t s
       acc += (U64)x;
       keys += inc;
     } else {
-      hash_line<W, B>(v + j, keys, inc, acc, std::make_index_sequence<kLine / kGroup>());
+      hash_line<W, B>(v + j * sizeof(B), keys, inc, acc,
+                      std::make_index_sequence<kLine / kGroup>());
     }
   }
   uint64_t h = 0;
   for (int t = 0; t < kGroup; ++t) h += acc[t];
-  return h + hash_body(v + j, m - j, key + static_cast<uint64_t>(j) * step, step);
+  return h + hash_body<B>(v + j * sizeof(B), m - j, key + static_cast<uint64_t>(j) * step, step);
 }
 #endif
 
@@ -166,14 +172,16 @@ struct BlockStats {
 };
 
 template <DType D>
-FSDPCHECK_INLINE BlockStats stats_body(const typename Traits<D>::Bits* v, int m, bool with_stats) {
+FSDPCHECK_INLINE BlockStats stats_body(const char* v, int m, bool with_stats) {
   using T = Traits<D>;
+  using B = typename T::Bits;
   BlockStats s;
   if constexpr (!T::kInteger) {
     int nan = 0, inf = 0;
     for (int j = 0; j < m; ++j) {
-      nan += T::is_nan(v[j]);
-      inf += T::is_inf(v[j]);
+      const B b = load_as<B>(v + j * sizeof(B));
+      nan += T::is_nan(b);
+      inf += T::is_inf(b);
     }
     s.nan = nan;
     s.inf = inf;
@@ -183,7 +191,7 @@ FSDPCHECK_INLINE BlockStats stats_body(const typename Traits<D>::Bits* v, int m,
     double sum = 0.0, sumsq = 0.0;
 #pragma omp simd reduction(+ : zeros, sum, sumsq)
     for (int j = 0; j < m; ++j) {
-      const double x = T::to_f64(v[j]);
+      const double x = T::to_f64(load_as<B>(v + j * sizeof(B)));
       zeros += x == 0.0;
       sum += x;
       sumsq += x * x;
@@ -196,53 +204,71 @@ FSDPCHECK_INLINE BlockStats stats_body(const typename Traits<D>::Bits* v, int m,
 }
 
 // Non-template entry points: target_clones applies to plain functions; the always_inline bodies
-// above are compiled inside each clone with that clone's instruction set.
-#define FSDPCHECK_DEF_COUNT_NEQ(B)                                \
-  FSDPCHECK_CLONES int count_neq(const B* a, const B* b, int m) { \
-    return count_neq_body(a, b, m);                               \
+// above are compiled inside each clone with that clone's instruction set. The templates
+// count_neq<B>, hash<B> and stats<D> name them for the callers. Pointers are to bytes (elements
+// at any address, see load_as).
+template <typename B>
+int count_neq(const char* a, const char* b, int m);
+template <typename B>
+uint64_t hash(const char* v, int m, uint64_t key, uint64_t step);
+
+#define FSDPCHECK_DEF_COUNT_NEQ(B, NAME)                                \
+  FSDPCHECK_CLONES int NAME(const char* a, const char* b, int m) {      \
+    return count_neq_body<B>(a, b, m);                                  \
+  }                                                                     \
+  template <>                                                           \
+  int count_neq<B>(const char* a, const char* b, int m) {               \
+    return NAME(a, b, m);                                               \
   }
-FSDPCHECK_DEF_COUNT_NEQ(uint8_t)
-FSDPCHECK_DEF_COUNT_NEQ(uint16_t)
-FSDPCHECK_DEF_COUNT_NEQ(uint32_t)
-FSDPCHECK_DEF_COUNT_NEQ(uint64_t)
+FSDPCHECK_DEF_COUNT_NEQ(uint8_t, count_neq_u8)
+FSDPCHECK_DEF_COUNT_NEQ(uint16_t, count_neq_u16)
+FSDPCHECK_DEF_COUNT_NEQ(uint32_t, count_neq_u32)
+FSDPCHECK_DEF_COUNT_NEQ(uint64_t, count_neq_u64)
 #undef FSDPCHECK_DEF_COUNT_NEQ
 
 #if FSDPCHECK_MULTIVERSION
-#define FSDPCHECK_DEF_HASH(B)                                                                  \
-  __attribute__((target("arch=x86-64-v4"))) uint64_t hash(const B* v, int m, uint64_t key,     \
+#define FSDPCHECK_DEF_HASH_VERSIONS(B, NAME)                                                   \
+  __attribute__((target("arch=x86-64-v4"))) uint64_t NAME(const char* v, int m, uint64_t key,  \
                                                            uint64_t step) {                    \
-    return hash_lanes<64>(v, m, key, step);                                                    \
+    return hash_lanes<64, B>(v, m, key, step);                                                 \
   }                                                                                            \
-  __attribute__((target("arch=x86-64-v3"))) uint64_t hash(const B* v, int m, uint64_t key,     \
+  __attribute__((target("arch=x86-64-v3"))) uint64_t NAME(const char* v, int m, uint64_t key,  \
                                                            uint64_t step) {                    \
-    return hash_lanes<32>(v, m, key, step);                                                    \
+    return hash_lanes<32, B>(v, m, key, step);                                                 \
   }                                                                                            \
-  __attribute__((target("default"))) uint64_t hash(const B* v, int m, uint64_t key,            \
+  __attribute__((target("default"))) uint64_t NAME(const char* v, int m, uint64_t key,         \
                                                    uint64_t step) {                            \
-    return hash_body(v, m, key, step);                                                         \
+    return hash_body<B>(v, m, key, step);                                                      \
   }
 #else
-#define FSDPCHECK_DEF_HASH(B)                                                 \
-  uint64_t hash(const B* v, int m, uint64_t key, uint64_t step) {             \
-    return hash_body(v, m, key, step);                                        \
+#define FSDPCHECK_DEF_HASH_VERSIONS(B, NAME)                              \
+  uint64_t NAME(const char* v, int m, uint64_t key, uint64_t step) {      \
+    return hash_body<B>(v, m, key, step);                                 \
   }
 #endif
-FSDPCHECK_DEF_HASH(uint8_t)
-FSDPCHECK_DEF_HASH(uint16_t)
-FSDPCHECK_DEF_HASH(uint32_t)
-FSDPCHECK_DEF_HASH(uint64_t)
+#define FSDPCHECK_DEF_HASH(B, NAME)                                        \
+  FSDPCHECK_DEF_HASH_VERSIONS(B, NAME)                                     \
+  template <>                                                              \
+  uint64_t hash<B>(const char* v, int m, uint64_t key, uint64_t step) {    \
+    return NAME(v, m, key, step);                                          \
+  }
+FSDPCHECK_DEF_HASH(uint8_t, hash_u8)
+FSDPCHECK_DEF_HASH(uint16_t, hash_u16)
+FSDPCHECK_DEF_HASH(uint32_t, hash_u32)
+FSDPCHECK_DEF_HASH(uint64_t, hash_u64)
 #undef FSDPCHECK_DEF_HASH
+#undef FSDPCHECK_DEF_HASH_VERSIONS
 
 template <DType D>
-BlockStats stats(const typename Traits<D>::Bits* v, int m, bool with_stats);
+BlockStats stats(const char* v, int m, bool with_stats);
 
-#define FSDPCHECK_DEF_STATS(D, NAME)                                                          \
-  FSDPCHECK_CLONES BlockStats NAME(const Traits<D>::Bits* v, int m, bool with_stats) {        \
-    return stats_body<D>(v, m, with_stats);                                                   \
-  }                                                                                           \
-  template <>                                                                                 \
-  BlockStats stats<D>(const Traits<D>::Bits* v, int m, bool with_stats) {                     \
-    return NAME(v, m, with_stats);                                                            \
+#define FSDPCHECK_DEF_STATS(D, NAME)                                            \
+  FSDPCHECK_CLONES BlockStats NAME(const char* v, int m, bool with_stats) {     \
+    return stats_body<D>(v, m, with_stats);                                     \
+  }                                                                             \
+  template <>                                                                   \
+  BlockStats stats<D>(const char* v, int m, bool with_stats) {                  \
+    return NAME(v, m, with_stats);                                              \
   }
 FSDPCHECK_DEF_STATS(DType::kFloat64, stats_f64)
 FSDPCHECK_DEF_STATS(DType::kFloat32, stats_f32)
@@ -297,20 +323,15 @@ class FpEnvGuard {
 #endif
 };
 
-// Elements [j0, j0 + m) of a run starting at src (stride in elements), as an aligned contiguous
-// array: in place when it is one, else copied into buf. src may be misaligned (see load_as).
+// Elements [j0, j0 + m) of a run starting at src (stride in elements), as contiguous bytes: in
+// place when contiguous (at any alignment: every loop reads with load_as), else gathered into buf.
 template <typename B>
-FSDPCHECK_INLINE const B* block(B* buf, const char* src, int64_t stride, int64_t j0, int m) {
-  if (stride == 1) {
-    const char* p = src + j0 * static_cast<int64_t>(sizeof(B));
-    if (reinterpret_cast<uintptr_t>(p) % alignof(B) == 0) return reinterpret_cast<const B*>(p);
-    std::memcpy(buf, p, static_cast<size_t>(m) * sizeof(B));
-    return buf;
-  }
+FSDPCHECK_INLINE const char* block(B* buf, const char* src, int64_t stride, int64_t j0, int m) {
   const int64_t step = stride * static_cast<int64_t>(sizeof(B));
   const char* p = src + j0 * step;
+  if (stride == 1) return p;
   for (int j = 0; j < m; ++j) buf[j] = load_as<B>(p + j * step);
-  return buf;
+  return reinterpret_cast<const char*>(buf);
 }
 
 // A run: n elements along the innermost coalesced dim, global indices g, g + gstep, ...
@@ -329,15 +350,15 @@ void run_pair_same(const char* a, int64_t sa, const char* e, int64_t se, const R
   const uint64_t kstep = static_cast<uint64_t>(run.gstep) * kKeyMul;
   for (int64_t j0 = 0; j0 < run.n; j0 += simd::kBlock) {
     const int m = static_cast<int>(std::min<int64_t>(simd::kBlock, run.n - j0));
-    const B* pa = block(ba, a, sa, j0, m);
-    const B* pe = block(be, e, se, j0, m);
+    const char* pa = block(ba, a, sa, j0, m);
+    const char* pe = block(be, e, se, j0, m);
     const int64_t g0 = run.g + j0 * run.gstep;
     const uint64_t key = hash_key(static_cast<uint64_t>(g0));
-    if (simd::count_neq(pa, pe, m) == 0) {
+    if (simd::count_neq<B>(pa, pe, m) == 0) {
       // Bit-equal block: one hash serves both sides; nothing can mismatch except NaN when
       // equal_nan is off; every non-NaN element has difference 0.
       if (o.fingerprints) {
-        const uint64_t h = simd::hash(pa, m, key, kstep);
+        const uint64_t h = simd::hash<B>(pa, m, key, kstep);
         acc.fp_a += h;
         acc.fp_e += h;
       }
@@ -353,15 +374,15 @@ void run_pair_same(const char* a, int64_t sa, const char* e, int64_t se, const R
       // Elements arrive in increasing global index, so only the first difference can matter.
       if (acc.max_abs_idx < 0 && s.nan < m) {
         int j = 0;
-        while (Traits<D>::is_nan(pa[j])) ++j;
+        while (Traits<D>::is_nan(load_as<B>(pa + j * sizeof(B)))) ++j;
         take_max(acc.max_abs, acc.max_abs_idx, 0.0, g0 + j * run.gstep);
         take_max(acc.max_rel, acc.max_rel_idx, 0.0, g0 + j * run.gstep);
       }
       continue;
     }
     if (o.fingerprints) {
-      acc.fp_a += simd::hash(pa, m, key, kstep);
-      acc.fp_e += simd::hash(pe, m, key, kstep);
+      acc.fp_a += simd::hash<B>(pa, m, key, kstep);
+      acc.fp_e += simd::hash<B>(pe, m, key, kstep);
     }
     const simd::BlockStats s_a = simd::stats<D>(pa, m, o.stats);
     const simd::BlockStats s_e = simd::stats<D>(pe, m, false);
@@ -373,7 +394,8 @@ void run_pair_same(const char* a, int64_t sa, const char* e, int64_t se, const R
     acc.sum += s_a.sum;
     acc.sumsq += s_a.sumsq;
     for (int j = 0; j < m; ++j) {
-      const ElementResult r = compare_values(decode<D>(pa[j]), decode<D>(pe[j]), o.cmp);
+      const ElementResult r = compare_values(decode<D>(load_as<B>(pa + j * sizeof(B))),
+                                             decode<D>(load_as<B>(pe + j * sizeof(B))), o.cmp);
       acc.mismatched += r.mismatch;
       if (r.has_diff) {
         take_max(acc.max_abs, acc.max_abs_idx, r.abs_diff, g0 + j * run.gstep);
@@ -390,10 +412,12 @@ void run_single(const char* a, int64_t sa, const Run& run, const Options& o, Par
   const uint64_t kstep = static_cast<uint64_t>(run.gstep) * kKeyMul;
   for (int64_t j0 = 0; j0 < run.n; j0 += simd::kBlock) {
     const int m = static_cast<int>(std::min<int64_t>(simd::kBlock, run.n - j0));
-    const B* pa = block(ba, a, sa, j0, m);
+    const char* pa = block(ba, a, sa, j0, m);
     if (o.fingerprints) {
-      acc.fp_a += simd::hash(pa, m, hash_key(static_cast<uint64_t>(run.g + j0 * run.gstep)), kstep);
+      acc.fp_a += simd::hash<B>(pa, m, hash_key(static_cast<uint64_t>(run.g + j0 * run.gstep)),
+                                kstep);
     }
+    if (!o.counts && !o.stats) continue;  // a fingerprint only
     const simd::BlockStats s = simd::stats<D>(pa, m, o.stats);
     acc.nan_a += s.nan;
     acc.inf_a += s.inf;
@@ -584,7 +608,7 @@ at::Tensor fingerprint_cpu(at::TensorList tensors, at::IntArrayRef box_shapes,
                            at::IntArrayRef box_offsets) {
   const std::vector<TensorPlan> plans =
       make_plans("fingerprint", tensors, nullptr, box_shapes, box_offsets);
-  const Options o{CompareParams{0.0, 0.0, true}, true, false};
+  const Options o{CompareParams{0.0, 0.0, true}, true, false, /*counts=*/false};
   const std::vector<Partial> rows = run_plans(plans, o);
   at::Tensor out = at::empty({static_cast<int64_t>(rows.size())}, at::kLong);
   int64_t* dst = out.data_ptr<int64_t>();

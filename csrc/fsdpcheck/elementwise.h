@@ -445,6 +445,7 @@ struct Options {
   CompareParams cmp;
   bool fingerprints;
   bool stats;
+  bool counts = true;  // NaN and Inf counts (false: a fingerprint alone is wanted)
 };
 
 // The whole treatment of one element pair at global index g (key = hash_key(g)). This is the
