@@ -170,17 +170,20 @@ NAIVE_DCP = TIMED.format(
     "      for k, m in md.state_dict_metadata.items() if hasattr(m, 'chunks')}\n"
     "dcp.load(sd, checkpoint_id=sys.argv[1], no_dist=True)",
 )
+# The readers' modules are imported before the clock starts (start-up, like importing torch: the
+# command-line rows, whole process minus `fsdpcheck info`, include it).
+READERS = "import fsdpcheck.sources.files, fsdpcheck.sources.dcp"
 COMPARE = TIMED.format(
-    imports="from fsdpcheck.comparison import compare_checkpoints",
+    imports="from fsdpcheck.comparison import compare_checkpoints\n" + READERS,
     work="r = compare_checkpoints(sys.argv[1], sys.argv[2], device=sys.argv[3])\n"
     "print([f.key for f in r.findings])",
 )
 FINGERPRINT = TIMED.format(
-    imports="from fsdpcheck.fingerprints import fingerprint_checkpoint",
+    imports="from fsdpcheck.fingerprints import fingerprint_checkpoint\n" + READERS,
     work="print(len(fingerprint_checkpoint(sys.argv[1])))",
 )
 AUDIT = TIMED.format(
-    imports="from fsdpcheck.auditing import audit",
+    imports="from fsdpcheck.auditing import audit\n" + READERS,
     work="r = audit(sys.argv[1], deep=True)\nprint([f.key for f in r.findings])",
 )
 # The kernels alone over the same bytes already in memory: the floor on a machine where they,
@@ -200,7 +203,7 @@ KERNEL_FINGERPRINT = TIMED.format(
 )
 VERIFY = TIMED.format(
     imports="import torch\nfrom safetensors.torch import load_file\n"
-    "from fsdpcheck.verification import verify\n"
+    "from fsdpcheck.verification import verify\n" + READERS + "\n"
     "live = load_file(sys.argv[1])\n"
     "for t in live.values(): t.add_(0)  # resident, not lazily mapped",
     work="r = verify(live, sys.argv[2])\nprint([f.key for f in r.findings])",

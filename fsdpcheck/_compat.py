@@ -5,55 +5,61 @@ A torch upgrade that moves something breaks this file only.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-try:  # torch >= 2.5 public location
-    from torch.distributed.tensor import DeviceMesh, DTensor
-    from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
-    DeviceMesh = None  # type: ignore[assignment,misc]
-    Partial = Placement = Replicate = Shard = None  # type: ignore[assignment,misc]
 
-try:
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - older torch
-    _StridedShard = None  # type: ignore[assignment,misc]
-
-try:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-except ImportError:  # pragma: no cover
-    ShardedTensor = None  # type: ignore[assignment,misc]
+# NOTE: [lazy distributed] Importing torch.distributed.tensor costs about half a second (it pulls
+# in sympy), which an offline command on a safetensors file never needs. Nothing here imports it:
+# a DTensor, ShardedTensor or placement can only exist once its module has been imported by
+# whoever made it, so the checks look the classes up in sys.modules.
+def _cls(module: str, name: str) -> Any:
+    mod = sys.modules.get(module)
+    return getattr(mod, name, None) if mod is not None else None
 
 
 def is_dtensor(x: object) -> bool:
     """Whether x is a DTensor."""
-    return DTensor is not None and isinstance(x, DTensor)
+    cls = _cls("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(x, cls)
 
 
 def is_sharded_tensor(x: object) -> bool:
     """Whether x is a (FSDP1-style) ShardedTensor."""
-    return ShardedTensor is not None and isinstance(x, ShardedTensor)
+    cls = _cls("torch.distributed._shard.sharded_tensor", "ShardedTensor")
+    return cls is not None and isinstance(x, cls)
+
+
+def _placement(name: str) -> Any:
+    return _cls("torch.distributed.tensor.placement_types", name)
 
 
 def is_partial(p: object) -> bool:
     """Whether a placement is Partial (a pending reduction: not a slice of the tensor)."""
-    return Partial is not None and isinstance(p, Partial)
+    cls = _placement("Partial")
+    return cls is not None and isinstance(p, cls)
 
 
 def is_replicate(p: object) -> bool:
     """Whether a placement is Replicate."""
-    return Replicate is not None and isinstance(p, Replicate)
+    cls = _placement("Replicate")
+    return cls is not None and isinstance(p, cls)
+
+
+def strided_shard_type() -> Any:
+    """The _StridedShard placement class (2D FSDP + TP), or None in a torch without it."""
+    return _placement("_StridedShard")
 
 
 def shard_dim(p: object) -> int | None:
     """The tensor dim a Shard or _StridedShard placement splits, else None."""
     # _StridedShard subclasses Shard in some torch versions and not in others.
-    if (Shard is not None and isinstance(p, Shard)) or (
-        _StridedShard is not None and isinstance(p, _StridedShard)
+    shard, strided = _placement("Shard"), strided_shard_type()
+    if (shard is not None and isinstance(p, shard)) or (
+        strided is not None and isinstance(p, strided)
     ):
         return p.dim  # type: ignore[attr-defined]
     return None

@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
 from fsdpcheck.formats import describe_path, is_dcp_dir
 from fsdpcheck.manifest import read_manifest
@@ -17,7 +15,6 @@ from fsdpcheck.matching import CheckpointKeys, checkpoint_keys, optim_key
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import open_path
 from fsdpcheck.sources.base import Entry
-from fsdpcheck.sources.safe_reader import check_storage, planner_paths, read_dcp_metadata
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 __all__ = ["Box", "audit", "tiling_problems"]
@@ -77,6 +74,12 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
 
 
 def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, prefix: str) -> int:
+    # DCP's modules load here, not at import (NOTE: [lazy distributed] in _compat): an audit of
+    # a safetensors or torch.save file never pays for them.
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdpcheck.sources.safe_reader import check_storage, planner_paths, read_dcp_metadata
+
     md = read_dcp_metadata(p)
     tensors = sum(isinstance(m, TensorStorageMetadata) for m in md.state_dict_metadata.values())
     for key, kind, message in check_storage(p, md).findings:
@@ -135,6 +138,8 @@ def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], prefix: str) ->
 def _audit_manifest(
     p: Path, md: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
 ) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
         notes.append(f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save)")

@@ -122,7 +122,7 @@ def _box_of(
     returns a wrong offset for the others, so those dims are split the way DTensor splits them
     and the result is checked to be one contiguous range per dim.
     """
-    strided = _compat._StridedShard
+    strided = _compat.strided_shard_type()
     if strided is None or not any(isinstance(p, strided) for p in placements):
         local_shape, box_offset = _compat.local_shape_and_offset(shape, mesh, placements)
         return tuple(box_offset), tuple(local_shape)
