@@ -32,6 +32,7 @@ from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, open_source
 from fsdpcheck.sources.prefetch import batch_bytes
+from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.tolerances import tolerance
 
 
@@ -332,32 +333,59 @@ def _compare_values(
         assert entry.dtype is not None
         tol = tolerance(lay.dtype, entry.dtype, rtol, atol)
         elsize = entry.dtype.itemsize
+        saved = p.source.chunks(item.ckpt_key)
         for piece in lay.pieces:
             stats[i].holders = 1
             assert piece.box.offset is not None
-            for off, size in row_blocks(piece.box.offset, piece.tensor.shape, elsize, step):
-                actual = piece.tensor
-                if size != tuple(piece.tensor.shape):  # a block of rows of the piece
-                    r0 = off[0] - piece.box.offset[0]
-                    actual = piece.tensor[r0 : r0 + size[0]]
-                w = _Work(
-                    i,
-                    actual,
-                    Box(piece.box.shape, off),
-                    Region(item.ckpt_key, off, size),
-                    entry.dtype,
-                    tol,
-                    lay.replicated,
-                )
-                nbytes = w.region.numel * elsize
-                if batch and held + nbytes > step:
-                    done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
-                    batch, held = [], 0
-                batch.append(w)
-                held += nbytes
+            p_off = tuple(piece.box.offset)
+            for part_off, part_size in _along_chunks(p_off, tuple(piece.tensor.shape), saved):
+                for off, size in row_blocks(part_off, part_size, elsize, step):
+                    actual = piece.tensor
+                    for d, (o, n) in enumerate(zip(off, size)):
+                        if n != actual.shape[d]:
+                            actual = actual.narrow(d, o - p_off[d], n)
+                    w = _Work(
+                        i,
+                        actual,
+                        Box(piece.box.shape, off),
+                        Region(item.ckpt_key, off, size),
+                        entry.dtype,
+                        tol,
+                        lay.replicated,
+                    )
+                    nbytes = w.region.numel * elsize
+                    if batch and held + nbytes > step:
+                        done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
+                        batch, held = [], 0
+                    batch.append(w)
+                    held += nbytes
     if batch:
         done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
     return done
+
+
+def _along_chunks(
+    offset: tuple[int, ...],
+    size: tuple[int, ...],
+    saved: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A local piece cut along the reference's saved chunks, when they tile it exactly.
+
+    Each part then lies inside one saved chunk, which a reader can hand over where it lies (a
+    mapped DCP chunk) instead of assembling it from several. When the chunks do not tile the
+    piece (a gap or an overlap in a damaged checkpoint), the piece is returned whole, so that
+    reading it raises the coverage error the report names.
+    """
+    piece = (offset, size)
+    parts = [c for c in (intersect(piece, (tuple(o), tuple(s))) for o, s in saved) if c]
+    # Volumes adding up to the piece's and no part of it uncovered: the parts are disjoint.
+    if (
+        len(parts) <= 1
+        or sum(math.prod(s) for _, s in parts) != math.prod(size)
+        or uncovered(piece, parts)
+    ):
+        return [piece]
+    return parts
 
 
 def _flush(

@@ -224,10 +224,37 @@ def test_verify_against_dcp_raw_and_safe_agree_and_name_the_element(sharded: Pat
             reports.append(verify(live, src, memory_budget=100))
         finally:
             src.close()
-    fast, slow = reports
+    src = DCPSource(sharded)
+    try:  # a budget that holds every tensor: each whole live tensor is cut along the chunks
+        reports.append(verify(live, src, memory_budget=1 << 30))
+    finally:
+        src.close()
+    fast, slow, big = reports
     assert [(f.key, f.kind) for f in fast.findings] == [("w", "value")]
     assert fast.findings[0].max_abs_index == (7, 4) and fast.findings[0].mismatched == 1
-    assert fast.findings == slow.findings
+    assert fast.findings == slow.findings == big.findings
+    assert fast.keys_checked == slow.keys_checked == big.keys_checked
+
+
+def test_verify_cuts_local_pieces_along_saved_chunks_only_when_they_tile() -> None:
+    from fsdpcheck.verification import _along_chunks
+
+    rows = [((0, 0), (3, 6)), ((3, 0), (3, 6)), ((6, 0), (4, 6))]
+    assert _along_chunks((0, 0), (10, 6), rows) == rows
+    assert _along_chunks((2, 0), (5, 6), rows) == [
+        ((2, 0), (1, 6)),
+        ((3, 0), (3, 6)),
+        ((6, 0), (1, 6)),
+    ]
+    assert _along_chunks((4, 0), (1, 6), rows) == [((4, 0), (1, 6))]  # inside one chunk
+    # A gap or an overlap: the piece stays whole, so that reading it names the problem.
+    gap = [((0, 0), (3, 6)), ((4, 0), (6, 6))]
+    assert _along_chunks((0, 0), (10, 6), gap) == [((0, 0), (10, 6))]
+    overlap = [((0, 0), (4, 6)), ((3, 0), (7, 6)), ((0, 0), (1, 6))]
+    assert _along_chunks((0, 0), (10, 6), overlap) == [((0, 0), (10, 6))]
+    # Columns (a Shard(1) save) and an empty chunk.
+    cols = [((0, 0), (5, 3)), ((0, 3), (5, 3)), ((0, 6), (5, 3)), ((0, 9), (5, 0))]
+    assert _along_chunks((0, 0), (5, 9), cols) == cols[:3]
 
 
 _ST_NAMES = {
