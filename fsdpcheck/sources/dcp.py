@@ -35,6 +35,7 @@ from fsdpcheck.sources.base import (
 from fsdpcheck.sources.rawio import (
     RawChunk,
     aligned_empty,
+    elements_spanned,
     locate_chunk,
     populate,
     pread_into,
@@ -257,7 +258,7 @@ class DCPSource(Source):
         if mapped is None or end > os.fstat(self._fd(rel)).st_size or end > len(mapped):
             return None
         item = rc.dtype.itemsize
-        span = 1 + sum((s - 1) * st for s, st in zip(rc.shape, rc.stride))  # elements reached
+        span = elements_spanned(rc.shape, rc.stride)
         start = rc.data_offset + rc.storage_offset * item
         if start + span * item > end:
             return None

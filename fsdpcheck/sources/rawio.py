@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ _libc: Any = None
 _madvise_ok = True
 
 
+def elements_spanned(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from a non-empty strided tensor's first element to one past its last."""
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+
+
 def populate(t: torch.Tensor) -> None:
     """Maps the pages under a memory-mapped CPU tensor now (read-ahead for the next kernel).
 
@@ -107,8 +113,7 @@ def populate(t: torch.Tensor) -> None:
             _madvise_ok = False
             return
     lo = t.data_ptr()
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    hi = lo + span * t.element_size()
+    hi = lo + elements_spanned(t.shape, t.stride()) * t.element_size()
     start = lo - lo % PAGE
     if _libc.madvise(start, hi - start, _MADV_POPULATE_READ) != 0:
         _libc.madvise(start, hi - start, _MADV_WILLNEED)
@@ -218,7 +223,7 @@ def locate_chunk(
     item = dtype.itemsize
     if any(st < 0 for st in l_stride) or l_off < 0:
         return None
-    extent = l_off + 1 + sum((s - 1) * st for s, st in zip(l_shape, l_stride) if s > 0)
+    extent = l_off + elements_spanned(l_shape, l_stride)
     if all(s > 0 for s in l_shape) and extent * item > l_nbytes:
         return None
     if _overlapping(l_shape, l_stride):
