@@ -1,6 +1,7 @@
 """A restricted unpickler for DCP ``.metadata``: no code from a checkpoint ever runs.
 
-It builds DCP's metadata classes and plain data, and refuses every other global.
+It builds DCP's metadata classes (or fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in
+``fsdpcheck.sources.dcp_metadata``) and plain data, and refuses every other global.
 
 Why not ``torch.load(weights_only=True)``: ``.metadata`` is a bare pickle (not a torch.save zip)
 of DCP's own dataclasses, which torch's weights-only allowlist does not hold. The classes
@@ -14,13 +15,14 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # module -> names admitted (classes built by NEWOBJ/BUILD or called by REDUCE with plain args).
-_ADMITTED: dict[str, frozenset[str]] = {
+ADMITTED: dict[str, frozenset[str]] = {
     _DCP_METADATA: frozenset(
         {
             "Metadata",
@@ -78,9 +80,12 @@ def _torch_value(name: str) -> Any:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BufferedIOBase, what: str) -> None:
+    def __init__(
+        self, file: io.BufferedIOBase, what: str, resolve: Callable[[str, str], Any] | None
+    ) -> None:
         super().__init__(file)
         self._what = what
+        self._resolve = resolve
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch":
@@ -93,7 +98,9 @@ class _Unpickler(pickle.Unpickler):
             return _get_layout
         elif module in ("pathlib", "pathlib._local") and name in _PATHS:
             return _PATHS[name]
-        elif name in _ADMITTED.get(module, ()):
+        elif name in ADMITTED.get(module, ()):
+            if self._resolve is not None and module not in ("collections", "builtins"):
+                return self._resolve(module, name)
             return super().find_class(module, name)
         raise UnsafePickleError(
             f"{self._what} names {module}.{name}, which is not one of the classes a checkpoint's "
@@ -112,7 +119,9 @@ def _get_layout(name: str) -> torch.layout:
     return value
 
 
-def restricted_loads(data: bytes, what: str) -> Any:
+def restricted_loads(
+    data: bytes, what: str, resolve: Callable[[str, str], Any] | None = None
+) -> Any:
     """Unpickles `data` admitting only DCP metadata and plain data.
 
     Admitted: DCP's metadata classes, torch dtypes/layouts/memory formats, ``torch.Size``, pure
@@ -121,9 +130,12 @@ def restricted_loads(data: bytes, what: str) -> Any:
     Args:
         data: The pickle.
         what: The file it came from, for messages (e.g. ``"DCP metadata ckpt/.metadata"``).
+        resolve: Builds an admitted DCP class from (module, name) instead of importing it (the
+            mirror classes of ``fsdpcheck.sources.dcp_metadata``). Called only for admitted
+            names: the allowlist is the same either way.
 
     Raises:
         UnsafePickleError: It names anything else (one line naming module.class and `what`).
         pickle.UnpicklingError: It is not a valid pickle.
     """
-    return _Unpickler(io.BytesIO(data), what).load()
+    return _Unpickler(io.BytesIO(data), what, resolve).load()

@@ -74,19 +74,21 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
 
 
 def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, prefix: str) -> int:
-    # DCP's modules load here, not at import (NOTE: [lazy distributed] in _compat): an audit of
-    # a safetensors or torch.save file never pays for them.
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fsdpcheck.sources.safe_reader import check_storage, planner_paths, read_dcp_metadata
+    # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata).
+    from fsdpcheck.sources.dcp_metadata import (
+        check_storage,
+        is_tensor_meta,
+        planner_paths,
+        read_dcp_metadata,
+    )
 
     md = read_dcp_metadata(p)
-    tensors = sum(isinstance(m, TensorStorageMetadata) for m in md.state_dict_metadata.values())
+    tensors = sum(is_tensor_meta(m) for m in md.state_dict_metadata.values())
     for key, kind, message in check_storage(p, md).findings:
         findings.append(Finding(prefix + key, kind, message))
     paths = planner_paths(md)
     entries = {
-        key: Entry(key, paths[key], is_tensor=isinstance(meta, TensorStorageMetadata))
+        key: Entry(key, paths[key], is_tensor=is_tensor_meta(meta))
         for key, meta in md.state_dict_metadata.items()
     }
     _audit_optimizer(checkpoint_keys(entries), findings, prefix)
@@ -138,7 +140,7 @@ def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], prefix: str) ->
 def _audit_manifest(
     p: Path, md: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
 ) -> None:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from fsdpcheck.sources.dcp_metadata import is_tensor_meta
 
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
@@ -150,7 +152,7 @@ def _audit_manifest(
         ck = e.checkpoint_key
         listed.add(ck)
         m = meta.get(ck)
-        if not isinstance(m, TensorStorageMetadata):
+        if not is_tensor_meta(m):
             findings.append(
                 Finding(prefix + key, "missing", f"in the manifest but {ck} is not saved")
             )
@@ -169,7 +171,7 @@ def _audit_manifest(
                 Finding(prefix + key, "dtype", f"manifest says {e.dtype}, metadata {dtype}")
             )
     for ck, m in meta.items():
-        if isinstance(m, TensorStorageMetadata) and ck not in listed:
+        if is_tensor_meta(m) and ck not in listed:
             findings.append(Finding(prefix + ck, "unexpected", "saved but not in the manifest"))
     if deep:
         actual = fingerprint_checkpoint(p)

@@ -309,7 +309,7 @@ def _damage_metadata_gap(ck):
 
     from fsdpcheck.sources.safe_reader import read_dcp_metadata
 
-    md = read_dcp_metadata(ck)
+    md = read_dcp_metadata(ck, dcp_classes=True)  # DCP's classes: written back for DCP
     meta = md.state_dict_metadata["model.0.weight"]
     assert isinstance(meta, TensorStorageMetadata)
     chunk = meta.chunks[0]

@@ -156,7 +156,7 @@ def test_raw_dcp_reads_equal_safe_reader_and_truth(
         assert fast._raw and all(rc is not None for rc in fast._raw.values())
         assert not slow._raw
         if which == "single":
-            t = next(rc for idx, rc in fast._raw.items() if idx.fqn == "t")
+            t = next(rc for (key, _), rc in fast._raw.items() if key == "t")
             assert t is not None and not t.row_major and t.stride == (1, 5)
         # Chunks whose bytes start at an offset that is not a multiple of the page size, nor of
         # the element size, are among those read.
@@ -199,10 +199,87 @@ def test_raw_dcp_file_shrinking_after_open_raises(tmp_path: Path) -> None:
     try:
         data = next((tmp_path / "d").glob("*.distcp"))
         os.truncate(data, data.stat().st_size // 2)
-        with pytest.raises(CheckpointError, match=r"bytes could be read|cannot load"):
+        with pytest.raises(CheckpointError, match=r"bytes could be read|cannot load|truncated"):
             src.read([Region("x", (0,), (4096,))], CPU)
     finally:
         src.close()
+
+
+def _metadata_summary(md: Any) -> tuple[Any, ...]:
+    """Everything fsdpcheck reads from DCP metadata, as plain values (mirror or DCP classes)."""
+    from fsdpcheck.sources.dcp_metadata import is_tensor_meta, position
+
+    sdm = {}
+    for key, m in md.state_dict_metadata.items():
+        if is_tensor_meta(m):
+            p = m.properties
+            props = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in m.chunks]
+            sdm[key] = ("tensor", props, tuple(m.size), chunks)
+        else:
+            sdm[key] = ("bytes", type(m).__name__)
+    storage = {
+        position(i): (s.relative_path, s.offset, s.length, s.transform_descriptors)
+        for i, s in md.storage_data.items()
+    }
+    sm = md.storage_meta
+    meta = None if sm is None else (str(sm.checkpoint_id), sm.save_id, list(sm.modules))
+    return sdm, md.planner_data, storage, meta, getattr(md, "version", None)
+
+
+def test_mirror_metadata_reads_as_dcps_own_classes(
+    sharded: Path, single: Path, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    from fsdpcheck._unpickle import ADMITTED
+    from fsdpcheck.sources import dcp_metadata as mirror
+
+    # Every DCP class the unpickler admits has a mirror, so no valid file reads differently.
+    admitted = {(m, n) for m, names in ADMITTED.items() for n in names if m.startswith("torch.")}
+    assert admitted == set(mirror._MIRRORS)
+    values = tmp_path / "values"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {"x": torch.arange(6.0).view(2, 3), "step": 3, "groups": [{"lr": 0.1}]}
+        dcp.save(state, checkpoint_id=str(values), no_dist=True)
+    for path in (sharded, single, values):
+        ours = mirror.read_dcp_metadata(path)
+        theirs = mirror.read_dcp_metadata(path, dcp_classes=True)
+        assert type(ours) is mirror.Metadata and type(theirs) is dcp_md.Metadata
+        assert _metadata_summary(ours) == _metadata_summary(theirs), path.name
+        assert _metadata_summary(ours) == _metadata_summary(
+            dcp.FileSystemReader(path).read_metadata()
+        )
+        assert mirror.check_storage(path, ours) == mirror.check_storage(path, theirs)
+        assert mirror.planner_paths(ours) == mirror.planner_paths(theirs)
+    # The mirror index is equal and hashed by (fqn, offset) like DCP's, the hint ignored.
+    a, b = mirror.MetadataIndex("w", [3, 0], index=1), mirror.MetadataIndex("w", (3, 0))
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1 and a != mirror.MetadataIndex("w")
+    assert a != dcp_md.MetadataIndex("w", (3, 0))  # never mixed: positions bridge the two
+
+
+def test_dcp_offline_commands_never_import_dcp(sharded: Path, single: Path) -> None:
+    """inspect, audit (deep), fingerprint and compare of raw DCP saves run without DCP's code."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import fsdpcheck
+from fsdpcheck.inspection import inspect_checkpoint
+for p in ({str(sharded)!r}, {str(single)!r}):
+    inspect_checkpoint(p)
+    fsdpcheck.fingerprint_checkpoint(p)
+    assert fsdpcheck.audit(p, deep=True).findings == []
+    assert fsdpcheck.compare_checkpoints(p, p).ok
+bad = sorted(m for m in sys.modules if m.startswith(("torch.distributed.checkpoint",
+                                                     "torch.distributed.tensor")))
+assert not bad, bad
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_fingerprint_dcp_equals_whole_tensor_at_any_budget(sharded: Path, single: Path) -> None:

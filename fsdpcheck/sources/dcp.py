@@ -16,12 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from fsdpcheck.sources.base import (
     CheckpointError,
@@ -32,6 +26,15 @@ from fsdpcheck.sources.base import (
     Source,
     check_regular,
 )
+from fsdpcheck.sources.dcp_metadata import (
+    METADATA_FILE,
+    Position,
+    check_storage,
+    is_tensor_meta,
+    planner_paths,
+    read_dcp_metadata,
+    storage_by_position,
+)
 from fsdpcheck.sources.rawio import (
     RawChunk,
     aligned_empty,
@@ -40,7 +43,6 @@ from fsdpcheck.sources.rawio import (
     populate,
     pread_into,
 )
-from fsdpcheck.sources.safe_reader import SafeFileSystemReader, planner_paths
 from fsdpcheck.sources.tiling import Box, box_text, intersect, uncovered
 
 
@@ -52,7 +54,8 @@ class DCPSource(Source):
     execution and with storage checks), which loads each of those chunks and copies the overlap
     straight into the destination (on the model's device). No process group is needed.
 
-    Opening reads only ``.metadata`` (restricted unpickler) and stats the data files; `problems`
+    Opening reads only ``.metadata`` (restricted unpickler, DCP-free: NOTE: [DCP-free metadata]
+    in ``dcp_metadata``) and stats the data files; `problems`
     then lists gaps, overlaps, chunks outside the shape and storage entries that cannot be read.
     A read that touches a gap raises `CoverageError`; one that touches an overlap or an
     unreadable entry raises `CheckpointError`; neither ever returns an uninitialised buffer.
@@ -70,10 +73,13 @@ class DCPSource(Source):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.description = f"DCP checkpoint {self.path}"
-        self._reader = SafeFileSystemReader(self.path)
-        self._md = self._reader.read_metadata()
-        self._reader.set_up_storage_reader(self._md, is_coordinator=True)
-        self._check = self._reader.storage_check
+        f = check_regular(self.path / METADATA_FILE, "DCP metadata")
+        self._metadata_bytes = f.read_bytes()
+        self._md = read_dcp_metadata(self.path, data=self._metadata_bytes)
+        self._check = check_storage(self.path, self._md)
+        self._storage = storage_by_position(self._md)
+        # DCP's reader (and DCP's import) only for what is not read by byte range here.
+        self._safe_reader: Any = None
         paths = planner_paths(self._md)
         self._entries: dict[str, Entry] = {}
         # Per tensor key: the chunks that can be read (inside the shape, with a storage entry),
@@ -82,7 +88,7 @@ class DCPSource(Source):
         self._chunk_at: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         for key, meta in self._md.state_dict_metadata.items():
             path_t = paths[key]
-            if isinstance(meta, TensorStorageMetadata):
+            if is_tensor_meta(meta):
                 shape = tuple(meta.size)
                 self._entries[key] = Entry(key, path_t, shape, meta.properties.dtype)
                 readable = []
@@ -93,15 +99,15 @@ class DCPSource(Source):
                         and all(
                             o >= 0 and s >= 0 and o + s <= g for o, s, g in zip(off, size, shape)
                         )
-                        and MetadataIndex(key, torch.Size(off)) in self._md.storage_data
+                        and (key, off) in self._storage
                     ):
                         readable.append((off, size))
                 self._readable[key] = readable
                 self._chunk_at[key] = dict(readable)
-            elif isinstance(meta, BytesStorageMetadata):
+            else:  # BytesStorageMetadata (validated)
                 self._entries[key] = Entry(key, path_t, is_tensor=False)
         # Raw chunk locations (None: read through the safe reader), open files, worker threads.
-        self._raw: dict[MetadataIndex, RawChunk | None] = {}
+        self._raw: dict[Position, RawChunk | None] = {}
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap | None] = {}
         self._lock = threading.Lock()
@@ -117,7 +123,7 @@ class DCPSource(Source):
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(offsets, sizes) of each saved chunk of a tensor entry, as ``.metadata`` lists them."""
         meta = self._md.state_dict_metadata[key]
-        if not isinstance(meta, TensorStorageMetadata):
+        if not is_tensor_meta(meta):
             raise KeyError(f"{key} is not a tensor in {self.description}")
         return [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
 
@@ -170,12 +176,12 @@ class DCPSource(Source):
                 raise KeyError(f"{region.key} is not a tensor in {self.description}")
             chunks = self._coverage(region) if region.numel else []
             for c_off, _ in chunks:  # refused before anything is allocated or opened
-                why = self._check.bad_entries.get(MetadataIndex(region.key, torch.Size(c_off)))
+                why = self._check.bad_entries.get((region.key, c_off))
                 if why is not None:
                     raise CheckpointError(f"{self.description}: {region.key}: {why}")
             plans.append(chunks)
         dests = []
-        items: list[ReadItem] = []
+        items: list[_SafeItem] = []
         raw: dict[str, list[_RawItem]] = {}
         for i, (region, chunks) in enumerate(zip(regions, plans)):
             box = (tuple(region.offset), tuple(region.size))
@@ -194,32 +200,35 @@ class DCPSource(Source):
                 if part is None:
                     continue  # no overlap (empty chunks included)
                 lo, n = part
-                index = MetadataIndex(region.key, torch.Size(c_off))
+                pos = (region.key, c_off)
                 dest_off = tuple(a - b for a, b in zip(lo, region.offset))
                 src_off = tuple(a - b for a, b in zip(lo, c_off))
-                rc = self._raw_chunk(index, c_size) if self.raw_reads else None
+                rc = self._raw_chunk(pos, c_size) if self.raw_reads else None
                 if rc is not None:
-                    rel = self._md.storage_data[index].relative_path
+                    rel = self._storage[pos].relative_path
                     target = dests[i]
                     for d, (o, k) in enumerate(zip(dest_off, n)):
                         target = target.narrow(d, o, k)
                     raw.setdefault(rel, []).append(_RawItem(rc, src_off, n, target, region.key))
                     continue
-                items.append(
-                    ReadItem(
-                        type=LoadItemType.TENSOR,
-                        dest_index=MetadataIndex(str(i), torch.Size(region.offset)),
-                        dest_offsets=torch.Size(dest_off),
-                        storage_index=index,
-                        storage_offsets=torch.Size(src_off),
-                        lengths=torch.Size(n),
-                    )
-                )
+                items.append((i, tuple(region.offset), dest_off, pos, src_off, tuple(n)))
         if raw:
             self._read_raw(raw)
         if items:
             self._run(items, _Planner(dests))
         return dests
+
+    @property
+    def _reader(self) -> Any:
+        """The safe DCP reader over the same metadata bytes (imports DCP; made once)."""
+        with self._lock:
+            if self._safe_reader is None:
+                from fsdpcheck.sources.safe_reader import SafeFileSystemReader
+
+                reader = SafeFileSystemReader(self.path, metadata=self._metadata_bytes)
+                reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
+                self._safe_reader = reader
+            return self._safe_reader
 
     def _fd(self, rel: str) -> int:
         """An open descriptor of a data file (checked to be a regular file before opening)."""
@@ -248,11 +257,11 @@ class DCPSource(Source):
         box = (tuple(region.offset), tuple(region.size))
         if intersect(box, (c_off, c_size)) != box:
             return None
-        index = MetadataIndex(region.key, torch.Size(c_off))
-        rc = self._raw_chunk(index, c_size)
+        pos = (region.key, c_off)
+        rc = self._raw_chunk(pos, c_size)
         if rc is None:
             return None
-        rel = self._md.storage_data[index].relative_path
+        rel = self._storage[pos].relative_path
         mapped = self._map(rel)
         end = rc.data_offset + rc.nbytes
         if mapped is None or end > os.fstat(self._fd(rel)).st_size or end > len(mapped):
@@ -289,19 +298,19 @@ class DCPSource(Source):
             self._maps[rel] = mapped
         return mapped
 
-    def _raw_chunk(self, index: MetadataIndex, size: tuple[int, ...]) -> RawChunk | None:
+    def _raw_chunk(self, pos: Position, size: tuple[int, ...]) -> RawChunk | None:
         """Where a chunk's elements lie (cached), or None to read it through the safe reader."""
         with self._lock:
-            if index in self._raw:
-                return self._raw[index]
-        info = self._md.storage_data[index]
+            if pos in self._raw:
+                return self._raw[pos]
+        info = self._storage[pos]
         rc = None
-        if not info.transform_descriptors and index not in self._check.bad_entries:
-            dtype = self._entries[index.fqn].dtype
+        if not info.transform_descriptors and pos not in self._check.bad_entries:
+            dtype = self._entries[pos[0]].dtype
             assert dtype is not None
             rc = locate_chunk(self._fd(info.relative_path), info.offset, info.length, dtype, size)
         with self._lock:
-            self._raw[index] = rc
+            self._raw[pos] = rc
         return rc
 
     def _read_raw(self, per_file: dict[str, list[_RawItem]]) -> None:
@@ -340,25 +349,37 @@ class DCPSource(Source):
             if key not in self._entries or self._entries[key].is_tensor:
                 raise KeyError(key)
         planner = _Planner([])
-        items = [
-            ReadItem(
-                type=LoadItemType.BYTE_IO,
-                dest_index=MetadataIndex(key),
-                dest_offsets=torch.Size(()),
-                storage_index=MetadataIndex(key),
-                storage_offsets=torch.Size(()),
-                lengths=torch.Size(()),
-            )
-            for key in keys
-        ]
-        if items:
-            self._run(items, planner)
+        if keys:
+            self._run([(key, None, (), (key, None), (), ()) for key in keys], planner)
         return planner.objects
 
-    def _run(self, items: list[ReadItem], planner: _Planner) -> None:
-        plan = self._reader.prepare_local_plan(LoadPlan(items))
+    def _run(self, items: list[_SafeItem], planner: _Planner) -> None:
+        """Reads items through the safe reader: tensor regions (dest index an int) or values."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        reads = [
+            ReadItem(
+                type=LoadItemType.BYTE_IO if dest_at is None else LoadItemType.TENSOR,
+                dest_index=MetadataIndex(str(dest), dest_at),
+                dest_offsets=torch.Size(dest_off),
+                storage_index=MetadataIndex(pos[0], pos[1]),
+                storage_offsets=torch.Size(src_off),
+                lengths=torch.Size(n),
+            )
+            for dest, dest_at, dest_off, pos, src_off, n in items
+        ]
+        plan = self._reader.prepare_local_plan(LoadPlan(reads))
         plan = self._reader.prepare_global_plan([plan])[0]
         self._reader.read_data(plan, planner).wait()  # type: ignore[arg-type]
+
+
+#: One read through the safe reader: (destination: region number or value key, the region's
+#: offset or None for a value, offsets in the destination, storage position, offsets in the
+#: chunk, lengths).
+_SafeItem = tuple[
+    int | str, tuple[int, ...] | None, tuple[int, ...], Position, tuple[int, ...], tuple[int, ...]
+]
 
 
 class _Planner:
@@ -368,16 +389,16 @@ class _Planner:
         self.dests = dests
         self.objects: dict[str, Any] = {}
 
-    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
         t = self.dests[int(item.dest_index.fqn)]
         for d, (o, n) in enumerate(zip(item.dest_offsets, item.lengths)):
             t = t.narrow(d, o, n)
         return t
 
-    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
         del item, tensor  # copied in place by the reader
 
-    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+    def load_bytes(self, item: Any, value: io.BytesIO) -> None:
         value.seek(0)
         self.objects[item.dest_index.fqn] = torch.load(value, weights_only=True)
 

@@ -1,0 +1,473 @@
+"""DCP ``.metadata`` read, validated and checked without importing torch.distributed.checkpoint.
+
+NOTE: [DCP-free metadata] Importing ``torch.distributed.checkpoint.metadata`` runs DCP's package
+``__init__``, which imports torch.distributed.tensor and sympy: about half a second, more than
+an ``inspect`` or ``fingerprint`` of a DCP directory spends on everything else. Nothing here
+needs DCP's code, only the shape of its metadata, so the restricted unpickler builds the mirror
+classes below (same names, same fields, same defaults, same pickled state) and fsdpcheck's own
+reads, checks and fingerprints work on them. DCP's classes are built only where the metadata is
+handed to DCP itself (``SafeFileSystemReader.read_metadata``, for ``dcp.load``); the checks here
+accept either.
+
+The mirrors admit exactly what the unpickler admits (``fsdpcheck._unpickle``): a file that names
+any other global is refused before anything of it is built.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdpcheck._unpickle import ADMITTED, UnsafePickleError, restricted_loads
+from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, file_problem, one_line
+from fsdpcheck.sources.tiling import tiling_problems
+
+__all__ = [
+    "METADATA_FILE",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "StorageCheck",
+    "StorageInfo",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "check_storage",
+    "planner_paths",
+    "position",
+    "read_dcp_metadata",
+    "validate_metadata",
+]
+
+METADATA_FILE = ".metadata"
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+
+
+class _Mirror:
+    """What pickle's NEWOBJ + BUILD make of a dataclass: the saved fields as attributes.
+
+    Class attributes hold the dataclass's defaults, so a field the writer left out (DCP's
+    ``_StorageInfo`` pickles only the fields that are not None) reads as its default, exactly as
+    it does on DCP's class.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f}={getattr(self, f, None)!r}" for f in self._fields)
+        return f"{type(self).__name__}({inner})"
+
+
+class ChunkStorageMetadata(_Mirror):
+    """Mirror of DCP's ChunkStorageMetadata: one saved chunk's offsets and sizes."""
+
+    _fields = ("offsets", "sizes")
+    offsets: Any = None
+    sizes: Any = None
+
+    def __init__(self, offsets: Any = None, sizes: Any = None) -> None:
+        self.offsets, self.sizes = offsets, sizes
+
+
+class _MEM_FORMAT_ENCODING(enum.Enum):  # DCP's name (a mirror, found by name)
+    TORCH_CONTIGUOUS_FORMAT = 0
+    TORCH_CHANNELS_LAST = 1
+    TORCH_PRESERVE_FORMAT = 2
+
+
+_MEMORY_FORMATS = {
+    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+    _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
+    _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
+}
+
+
+class TensorProperties(_Mirror):
+    """Mirror of DCP's TensorProperties (pickled as a 5-tuple, as DCP's ``__getstate__`` does)."""
+
+    _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    dtype: Any = None
+    layout: Any = torch.strided
+    requires_grad: Any = False
+    memory_format: Any = torch.contiguous_format
+    pin_memory: Any = False
+
+    def __setstate__(self, state: Any) -> None:
+        # As DCP's __setstate__: unpack the tuple, decode the memory format (refusing others).
+        self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
+        if not isinstance(encoding, _MEM_FORMAT_ENCODING):
+            raise RuntimeError(f"Invalid torch.memory_format encoding: {encoding!r:.40}")
+        self.memory_format = _MEMORY_FORMATS[encoding]
+
+
+class TensorStorageMetadata(_Mirror):
+    """Mirror of DCP's TensorStorageMetadata: a tensor's properties, global size and chunks."""
+
+    _fields = ("properties", "size", "chunks")
+    properties: Any = None
+    size: Any = None
+    chunks: Any = None
+
+
+class BytesStorageMetadata(_Mirror):
+    """Mirror of DCP's BytesStorageMetadata: a non-tensor value."""
+
+
+class StorageMeta(_Mirror):
+    """Mirror of DCP's StorageMeta."""
+
+    _fields = ("checkpoint_id", "save_id", "load_id", "modules")
+    checkpoint_id: Any = None
+    save_id: Any = None
+    load_id: Any = None
+    modules: Any = ()
+
+
+class Metadata(_Mirror):
+    """Mirror of DCP's Metadata: ``state_dict_metadata``, ``planner_data``, ``storage_data``."""
+
+    _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    state_dict_metadata: Any = None
+    planner_data: Any = None
+    storage_data: Any = None
+    storage_meta: Any = None
+    version: Any = None
+
+
+class MetadataIndex(_Mirror):
+    """Mirror of DCP's MetadataIndex: equal and hashed by (fqn, offset), as DCP's (frozen)."""
+
+    _fields = ("fqn", "offset", "index")
+    fqn: Any = None
+    offset: Any = None
+    index: Any = None
+
+    def __init__(self, fqn: str, offset: Any = None, index: int | None = None) -> None:
+        self.fqn, self.index = fqn, index
+        self.offset = None if offset is None else torch.Size(offset)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not MetadataIndex:
+            return NotImplemented
+        return (self.fqn, self.offset) == (other.fqn, other.offset)
+
+    def __hash__(self) -> int:
+        return hash((self.fqn, self.offset))
+
+
+class StorageInfo(_Mirror):
+    """Mirror of DCP's filesystem ``_StorageInfo``: where one entry's bytes lie."""
+
+    _fields = ("relative_path", "offset", "length", "transform_descriptors")
+    relative_path: Any = None
+    offset: Any = None
+    length: Any = None
+    transform_descriptors: Any = None
+
+
+class _Opaque(_Mirror):
+    """A planner record megatron-core caches in the metadata: kept, never interpreted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+_MIRRORS: dict[tuple[str, str], Any] = {
+    (_DCP_METADATA, "Metadata"): Metadata,
+    (_DCP_METADATA, "TensorStorageMetadata"): TensorStorageMetadata,
+    (_DCP_METADATA, "BytesStorageMetadata"): BytesStorageMetadata,
+    (_DCP_METADATA, "ChunkStorageMetadata"): ChunkStorageMetadata,
+    (_DCP_METADATA, "TensorProperties"): TensorProperties,
+    (_DCP_METADATA, "MetadataIndex"): MetadataIndex,
+    (_DCP_METADATA, "StorageMeta"): StorageMeta,
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
+    (_DCP_FILESYSTEM, "_StorageInfo"): StorageInfo,
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): TensorProperties,
+    **{
+        (module, name): type(name, (_Opaque,), {})
+        for module in ("torch.distributed.checkpoint.planner", "torch.distributed._shard.metadata")
+        for name in ADMITTED.get(module, ())
+    },
+}
+
+
+def _mirror(module: str, name: str) -> Any:
+    return _MIRRORS[(module, name)]
+
+
+def _kinds(name: str, module: str = _DCP_METADATA) -> Any:  # a tuple of classes
+    """The mirror class `name` and, when DCP is imported (its objects can exist), DCP's own."""
+    mirror = StorageInfo if name == "_StorageInfo" else globals()[name]
+    real = getattr(sys.modules.get(module), name, None)
+    return (mirror,) if real is None else (mirror, real)
+
+
+def read_dcp_metadata(
+    path: str | os.PathLike[str],
+    rank: int | None = None,
+    *,
+    dcp_classes: bool = False,
+    data: bytes | None = None,
+) -> Any:
+    """A DCP directory's metadata, read without running code and checked for structure.
+
+    Args:
+        path: The DCP checkpoint directory.
+        rank: Read the rank-local ``__<rank>.metadata`` instead of ``.metadata``.
+        dcp_classes: Build DCP's own classes (imports torch.distributed.checkpoint; for handing
+            the metadata to DCP) instead of the mirrors of this module.
+        data: The file's bytes, already read (so two readers see the same metadata).
+
+    Returns:
+        A `Metadata` (or DCP's Metadata with `dcp_classes`).
+
+    Raises:
+        FileNotFoundError: There is no metadata file.
+        UnsafePickleError: It names a class outside DCP's metadata (nothing was run).
+        CheckpointError: It is not a regular file, not a pickle, or not shaped like DCP metadata.
+    """
+    name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+    f = Path(path) / name
+    if data is None:
+        f = check_regular(f, "DCP metadata")
+        data = f.read_bytes()
+    what = f"DCP metadata {f}"
+    try:
+        md = restricted_loads(data, what, resolve=None if dcp_classes else _mirror)
+    except UnsafePickleError:
+        raise
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError,
+            IndexError, MemoryError, OverflowError, RuntimeError, ImportError) as exc:  # fmt: skip
+        # Building an admitted class with wrong arguments raises TypeError/ValueError/...
+        msg = f"{what} is unreadable: {type(exc).__name__}: {one_line(exc)}"
+        raise CheckpointError(msg) from None
+    validate_metadata(md, what)
+    return md
+
+
+def _ints(value: Any, what: str, field: str, *, allow_negative: bool = False) -> tuple[int, ...]:
+    if not isinstance(value, (torch.Size, tuple, list)) or not all(type(v) is int for v in value):
+        raise CheckpointError(f"{what}: {field} is {value!r:.80}, not a sequence of ints")
+    if not allow_negative and any(v < 0 for v in value):
+        raise CheckpointError(f"{what}: {field} {tuple(value)} has a negative entry")
+    return tuple(value)
+
+
+def validate_metadata(md: Any, what: str) -> None:
+    """Checks that an unpickled object is DCP metadata with fields of the right types.
+
+    Accepts the mirror classes of this module and DCP's own. Values that are well typed but
+    inconsistent (gaps, chunks outside the shape, entries past the end of a file) are not
+    errors here: `check_storage` reports them as problems.
+
+    Raises:
+        CheckpointError: One line naming the field.
+    """
+    if not isinstance(md, _kinds("Metadata")):
+        raise CheckpointError(f"{what} holds a {type(md).__name__}, not DCP Metadata")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        raise CheckpointError(f"{what}: state_dict_metadata is not a dict")
+    tensor_meta, bytes_meta = _kinds("TensorStorageMetadata"), _kinds("BytesStorageMetadata")
+    props_kinds, chunk_kinds = _kinds("TensorProperties"), _kinds("ChunkStorageMetadata")
+    for key, meta in sdm.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"{what}: key {key!r:.80} is not a string")
+        if isinstance(meta, tensor_meta):
+            props = getattr(meta, "properties", None)
+            if not isinstance(props, props_kinds) or not isinstance(
+                getattr(props, "dtype", None), torch.dtype
+            ):
+                raise CheckpointError(f"{what}: {key}: tensor properties carry no torch dtype")
+            _ints(getattr(meta, "size", None), what, f"{key}: size")
+            chunks = getattr(meta, "chunks", None)
+            if not isinstance(chunks, list):
+                raise CheckpointError(f"{what}: {key}: chunks is not a list")
+            for c in chunks:
+                if not isinstance(c, chunk_kinds):
+                    raise CheckpointError(f"{what}: {key}: a chunk is a {type(c).__name__}")
+                _ints(getattr(c, "offsets", None), what, f"{key}: chunk offsets",
+                      allow_negative=True)  # fmt: skip
+                _ints(getattr(c, "sizes", None), what, f"{key}: chunk sizes", allow_negative=True)
+        elif not isinstance(meta, bytes_meta):
+            raise CheckpointError(
+                f"{what}: {key} is described by a {type(meta).__name__}, not tensor or bytes "
+                "storage metadata"
+            )
+    if md.planner_data is not None and not isinstance(md.planner_data, dict):
+        raise CheckpointError(f"{what}: planner_data is not a dict")
+    for key, path in (md.planner_data or {}).items():
+        # DCP's default planner records each flattened key's path in the state dict; the key
+        # is those components joined by dots. A path that does not spell its key would make
+        # fsdpcheck and torch name the tensor differently.
+        spelled = ".".join(str(p) for p in path) if isinstance(path, (list, tuple)) else key
+        if key in sdm and path and spelled != key:
+            raise CheckpointError(
+                f"{what}: planner_data gives {key!r:.80} the path {tuple(path)!r:.80}, which "
+                "does not spell it"
+            )
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{what}: storage_data is not a dict")
+    index_kinds, info_kinds = _kinds("MetadataIndex"), _kinds("_StorageInfo", _DCP_FILESYSTEM)
+    for idx, info in storage.items():
+        if not isinstance(idx, index_kinds) or not isinstance(idx.fqn, str):
+            raise CheckpointError(f"{what}: a storage_data key is not a MetadataIndex")
+        if idx.offset is not None:
+            _ints(idx.offset, what, f"{idx.fqn}: storage index offset", allow_negative=True)
+        if not isinstance(info, info_kinds):
+            raise CheckpointError(f"{what}: {idx.fqn}: storage entry is a {type(info).__name__}")
+        if not isinstance(getattr(info, "relative_path", None), str):
+            raise CheckpointError(f"{what}: {idx.fqn}: storage path is not a string")
+        for name in ("offset", "length"):
+            v = getattr(info, name, None)
+            if type(v) is not int or v < 0:
+                raise CheckpointError(f"{what}: {idx.fqn}: storage {name} is {v!r:.40}")
+        td = getattr(info, "transform_descriptors", None)
+        if td is not None and (
+            not isinstance(td, (list, tuple)) or not all(isinstance(t, str) for t in td)
+        ):
+            raise CheckpointError(f"{what}: {idx.fqn}: transform_descriptors are not strings")
+    sm = getattr(md, "storage_meta", None)
+    if sm is not None and not isinstance(sm, _kinds("StorageMeta")):
+        raise CheckpointError(f"{what}: storage_meta is a {type(sm).__name__}")
+
+
+#: A storage entry's position: (key, chunk offsets), offsets None for a non-tensor value. The
+#: same for a mirror MetadataIndex and DCP's, so one StorageCheck serves both.
+Position = tuple[str, tuple[int, ...] | None]
+
+
+def position(index: Any) -> Position:
+    """The `Position` of a MetadataIndex (mirror or DCP's)."""
+    return (index.fqn, None if index.offset is None else tuple(index.offset))
+
+
+def is_tensor_meta(meta: Any) -> bool:
+    """Whether a state_dict_metadata value describes a tensor (mirror or DCP's class)."""
+    return isinstance(meta, _kinds("TensorStorageMetadata"))
+
+
+@dataclass
+class StorageCheck:
+    """What `check_storage` found.
+
+    Attributes:
+        findings: ``(key, kind, message)`` in metadata order, kind "gap", "layout" (a chunk
+            outside the shape, of the wrong rank, or overlapping another), "missing" (a chunk
+            or value without a storage entry) or "error" (storage that cannot be read).
+        bad_entries: Storage entries that must not be read (by `position`), with the reason.
+        overlapping: Keys whose chunks overlap (reads of them cannot assume disjoint chunks).
+        gaps: Keys with a region no chunk covers.
+    """
+
+    findings: list[Problem]
+    bad_entries: dict[Position, str]
+    overlapping: set[str]
+    gaps: set[str]
+
+    @property
+    def problems(self) -> list[Problem]:
+        """The findings with kind "gap" or "error" (the Source.problems vocabulary)."""
+        return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
+
+
+def planner_paths(md: Any) -> dict[str, tuple[str, ...]]:
+    """Each key's structural path from DCP's planner data (the key itself where there is none).
+
+    The path tells containers from dots inside FQNs: ``("model", "layers.0.w")``.
+    """
+    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out = {}
+    for key in md.state_dict_metadata:
+        raw = planner.get(key)
+        out[key] = tuple(str(p) for p in raw) if isinstance(raw, (list, tuple)) and raw else (key,)
+    return out
+
+
+def storage_by_position(md: Any) -> dict[Position, Any]:
+    """``md.storage_data`` keyed by `position` (one lookup per chunk, no index objects built)."""
+    return {position(idx): info for idx, info in md.storage_data.items()}
+
+
+def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
+    """Every structural problem of a DCP checkpoint that can be found without reading data.
+
+    Per tensor: chunks with the wrong number of dims or outside the global shape, chunks that
+    leave gaps ("gap") or overlap, chunks without a storage entry, and chunks whose stored bytes
+    are fewer than their elements need. Per storage entry: a path outside the directory, a
+    missing or non-regular file, bytes past the end of the file. One stat per data file.
+    """
+    root = Path(root)
+    problems: list[Problem] = []
+    bad: dict[Position, str] = {}
+    overlapping: set[str] = set()
+    gaps: set[str] = set()
+    ends: dict[str, list[tuple[Position, int]]] = {}
+    storage = storage_by_position(md)
+    for pos, info in storage.items():
+        ends.setdefault(info.relative_path, []).append((pos, info.offset + info.length))
+    for rel, items in ends.items():
+        last = max(e for _, e in items)
+        why = file_problem(root, rel, last, "storage entry")
+        if why is None:
+            continue
+        for pos, end in items:
+            why_here = file_problem(root, rel, end, "its data") if "ends at byte" in why else why
+            if why_here is not None:
+                bad[pos] = why_here
+    for key, meta in md.state_dict_metadata.items():
+        if not is_tensor_meta(meta):
+            if (key, None) not in storage:
+                problems.append((key, "missing", "no storage entry holds this value"))
+            continue
+        shape = tuple(meta.size)
+        boxes = []
+        itemsize = meta.properties.dtype.itemsize
+        for c in meta.chunks:
+            off, size = tuple(c.offsets), tuple(c.sizes)
+            if len(off) != len(shape) or len(size) != len(shape):
+                problems.append((key, "layout", f"chunk at offset {off} has the wrong number of "
+                                 f"dims for the shape {shape}"))  # fmt: skip
+                continue
+            if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
+                problems.append((key, "layout", f"chunk at offset {off} of size {size} lies "
+                                 f"outside the global shape {shape}"))  # fmt: skip
+                continue
+            n = math.prod(size)
+            if n > 0 or not shape:
+                boxes.append((off, size))
+            info = storage.get((key, off))
+            if info is None:
+                if n > 0 or not shape:
+                    problems.append((key, "missing", f"chunk at offset {off} has no storage entry"))
+                continue
+            if n * itemsize > info.length:
+                problems.append((key, "error", f"chunk at offset {off} declares {n} elements "
+                                 f"({n * itemsize} bytes) but its stored data has "
+                                 f"{info.length} bytes"))  # fmt: skip
+                bad.setdefault((key, off), problems[-1][2])
+        for p in tiling_problems(shape, boxes):
+            if p.startswith("gap"):
+                gaps.add(key)
+                problems.append((key, "gap", f"{p}: no saved chunk holds this region"))
+            else:
+                overlapping.add(key)
+                problems.append((key, "layout", p))
+    seen = set()
+    for (fqn, _), why in bad.items():
+        if (fqn, why) not in seen:
+            seen.add((fqn, why))
+            problems.append((fqn, "error", why))
+    return StorageCheck(problems, bad, overlapping, gaps)
