@@ -1,5 +1,3 @@
-import sys
+from fsdpcheck.cli import run
 
-from fsdpcheck.cli import main
-
-sys.exit(main())
+run()

@@ -316,8 +316,8 @@ def _compare_values(
 ) -> int:
     """Reads and compares every local piece in batches under the budget; returns bytes read.
 
-    Batches are at most ``batch_bytes(budget)`` (32 MiB at most): the arena stays small and
-    warm instead of a budget's worth of freshly faulted pages.
+    Batches are at most ``batch_bytes(budget)`` (``prefetch.STEP`` at most): the arena stays
+    small and warm instead of a budget's worth of freshly faulted pages.
     """
     step = batch_bytes(budget)
     entries = p.source.entries()

@@ -387,14 +387,34 @@ def test_safetensors_mapped_compare_equals_get_slice_and_finds_the_element(
             assert r.elements_checked == sum(v.numel() for v in a.values())
     assert all(x == results[0] for x in results)
     assert results[0] == [("m", "value", 1, (32, 0)), ("n", "value", 1, (4, 9))]
-    # Tensors at offsets that are multiples of their element size are read in place; the
-    # others through get_slice (both paths ran above).
+    # Every tensor is read in place, at offsets that are multiples of its element size and at
+    # offsets that are not (both were compared with get_slice above).
     sa = SafetensorsSource.from_path(tmp_path / "a.safetensors")
     sb = SafetensorsSource.from_path(tmp_path / "b.safetensors")
-    assert sa._mapped_tensor("n") is not None and sa._mapped_tensor("m") is None
-    assert sb._mapped_tensor("n") is None and sb._mapped_tensor("m") is not None
+    for src, key, misaligned in (
+        (sa, "n", False), (sa, "m", True), (sb, "n", True), (sb, "m", False)
+    ):  # fmt: skip
+        t = src._mapped_tensor(key)
+        assert t is not None and (t.data_ptr() % t.element_size() != 0) == misaligned, key
+        assert torch.equal(_bits(t), _bits((a if src is sa else b)[key]))
     (v,) = sa.read([Region("n", (1, 2), (3, 4))], CPU)
     assert not v.is_contiguous() and torch.equal(v, a["n"][1:4, 2:6])  # a view, no copy
+
+
+def test_safetensors_file_shrinking_after_open_raises(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    f = tmp_path / "s.safetensors"
+    save_file({"x": torch.arange(4096.0), "y": torch.ones(3)}, str(f))
+    for mapped in (True, False):  # a read of either mapping past the end would be SIGBUS
+        src = SafetensorsSource.from_path(f)
+        src.mapped_reads = mapped
+        (got,) = src.read([Region("x", (0,), (4096,))], CPU)
+        assert torch.equal(got, torch.arange(4096.0))
+        os.truncate(f, f.stat().st_size // 2)
+        with pytest.raises(CheckpointError, match=r"s\.safetensors shrank from \d+ to \d+"):
+            src.read([Region("x", (0,), (4096,))], CPU)
+        save_file({"x": torch.arange(4096.0), "y": torch.ones(3)}, str(f))
 
 
 def test_safetensors_duplicate_header_key_is_not_mapped(tmp_path: Path) -> None:

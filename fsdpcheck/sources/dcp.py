@@ -40,6 +40,8 @@ from fsdpcheck.sources.rawio import (
     aligned_empty,
     elements_spanned,
     locate_chunk,
+    map_private,
+    mapped_view,
     populate,
     pread_into,
 )
@@ -62,9 +64,10 @@ class DCPSource(Source):
 
     Fast path (NOTE: [raw DCP chunks] in ``rawio``): a chunk stored as one uncompressed tensor
     record is not loaded as a blob. A region inside one such chunk is returned as a view of the
-    mapped file (NOTE: [mapped chunks]); other regions are read by byte range straight into the
-    destination (only the rows they need), different files in parallel. Chunks that are not
-    (and every non-tensor value) go through the safe reader. Both give the same values.
+    mapped file (NOTE: [mapped files] in ``rawio``); other regions are read by byte range
+    straight into the destination (only the rows they need), different files in parallel.
+    Chunks that are not (and every non-tensor value) go through the safe reader. Both give the
+    same values.
     """
 
     kind = "dcp"
@@ -242,14 +245,11 @@ class DCPSource(Source):
     def _mapped_view(self, region: Region, chunks: list[Box]) -> torch.Tensor | None:
         """The region as a view of the mapped data file, when one raw chunk holds all of it.
 
-        NOTE: [mapped chunks] Mapping page-cache pages costs a fraction of copying them (a few
-        ms per 100 MB against tens), so a region inside one chunk is handed over where it lies
-        (pages mapped now, see `populate`), at whatever byte offset the chunk has: DCP writes
-        the chunks of a file back to back, so about half of them start at an odd offset, and
-        the kernels read misaligned elements (load_as). Before that the file's current size is
-        checked again: a mapped file that shrank would kill the process with SIGBUS where a read
-        raises an error. Other regions (several chunks, another device) are read into the
-        destination.
+        NOTE: [mapped files] in ``rawio``: the region is handed over where it lies (pages mapped
+        now, see `populate`), at whatever byte offset the chunk has (DCP writes the chunks of a
+        file back to back, so about half of them start at an odd offset). None if the file
+        shrank since it was checked. Other regions (several chunks, another device) are read
+        into the destination.
         """
         if not self.raw_reads or not region.numel or len(chunks) != 1:
             return None
@@ -263,37 +263,26 @@ class DCPSource(Source):
             return None
         rel = self._storage[pos].relative_path
         mapped = self._map(rel)
-        end = rc.data_offset + rc.nbytes
-        if mapped is None or end > os.fstat(self._fd(rel)).st_size or end > len(mapped):
-            return None
         item = rc.dtype.itemsize
-        span = elements_spanned(rc.shape, rc.stride)
         start = rc.data_offset + rc.storage_offset * item
-        if start + span * item > end:
+        if mapped is None or start + elements_spanned(rc.shape, rc.stride) * item > (
+            rc.data_offset + rc.nbytes
+        ):
             return None
-        t = torch.frombuffer(mapped, dtype=rc.dtype, count=span, offset=start)
-        t = t.as_strided(rc.shape, rc.stride)
+        t = mapped_view(mapped, start, rc.dtype, rc.shape, rc.stride)
+        if t is None:
+            return None
         for d, (o, s, c) in enumerate(zip(region.offset, region.size, c_off)):
             t = t.narrow(d, o - c, s)
         populate(t)
         return t
 
     def _map(self, rel: str) -> mmap.mmap | None:
-        """The data file mapped private (cached; None if it cannot be mapped).
-
-        Copy-on-write (``ACCESS_COPY``) only so that torch.frombuffer gets a writable buffer:
-        nothing writes to it, and a write could never reach the file.
-        """
+        """The data file mapped (`map_private`; cached, None if it cannot be mapped)."""
         with self._lock:
             if rel in self._maps:
                 return self._maps[rel]
-        mapped = None
-        size = os.fstat(self._fd(rel)).st_size
-        if size > 0:
-            try:
-                mapped = mmap.mmap(self._fd(rel), size, access=mmap.ACCESS_COPY)
-            except (OSError, ValueError):
-                mapped = None
+        mapped = map_private(self._fd(rel))
         with self._lock:
             self._maps[rel] = mapped
         return mapped

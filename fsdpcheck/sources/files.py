@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +27,7 @@ from fsdpcheck.sources.base import (
     read_each,
     slices,
 )
-from fsdpcheck.sources.rawio import populate
+from fsdpcheck.sources.rawio import map_private, mapped_view, populate
 
 # An index.json larger than this is not an index (real ones are a few MB for huge models).
 _MAX_INDEX_BYTES = 256 << 20
@@ -174,9 +176,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-# A mapped safetensors file: its bytes, where the data starts, and per tensor
+# A mapped safetensors file: its mapping, where the data starts, and per tensor
 # (begin, end, dtype name, shape) relative to that start.
-_Layout = tuple[torch.UntypedStorage, int, dict[str, tuple[int, int, str, tuple[int, ...]]]]
+_Layout = tuple[mmap.mmap, int, dict[str, tuple[int, int, str, tuple[int, ...]]]]
 # safetensors refuses headers larger than this too.
 _MAX_HEADER = 100_000_000
 
@@ -190,7 +192,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _safetensors_layout(f: Path) -> _Layout | None:
-    """The file mapped read-only, and where each tensor's bytes are; None if anything is odd."""
+    """The file mapped (`map_private`), where each tensor's bytes are; None if anything is off."""
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         keys = [k for k, _ in pairs]
@@ -199,8 +201,8 @@ def _safetensors_layout(f: Path) -> _Layout | None:
         return dict(pairs)
 
     try:
-        size = check_regular(f, "safetensors file").stat().st_size
-        with open(f, "rb") as fh:
+        with open(check_regular(f, "safetensors file"), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) != 8:
                 return None
@@ -208,6 +210,9 @@ def _safetensors_layout(f: Path) -> _Layout | None:
             if n > _MAX_HEADER or 8 + n > size:
                 return None
             header = json.loads(fh.read(n), object_pairs_hook=no_duplicates)
+            mapped = map_private(fh.fileno())  # holds its own descriptor
+            if mapped is None:
+                return None
         where: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
         for key, info in header.items():
             if key == "__metadata__":
@@ -217,11 +222,9 @@ def _safetensors_layout(f: Path) -> _Layout | None:
             if not all(type(v) is int and v >= 0 for v in (b, e, *shape)) or b > e:
                 return None
             where[key] = (b, e, str(info["dtype"]), shape)
-        storage = torch.UntypedStorage.from_file(str(f), False, size)  # MAP_PRIVATE, lazy
-        assert isinstance(storage, torch.UntypedStorage)
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, RecursionError):
         return None
-    return storage, 8 + n, where
+    return mapped, 8 + n, where
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -259,10 +262,10 @@ class SafetensorsSource(Source):
     tensor in two files is a problem and reading it raises (there is no authority to choose).
     Dtypes fsdpcheck cannot compare (U16/U32/U64, complex, F8_E8M0, ...) are refused when
     opening, naming the file, the tensor and the dtype. On the CPU, boxes are views of the
-    memory-mapped file (the kernels read them in place, pages mapped ahead by the reader
-    thread); a tensor whose bytes are not aligned to its element size, or whose header entry
-    does not agree with what safetensors read, and every read for another device go through
-    ``get_slice``, which reads just those bytes.
+    memory-mapped file at whatever byte offset they lie (NOTE: [mapped files] in ``rawio``: the
+    kernels read them in place, pages mapped ahead by the reader thread); a tensor whose header
+    entry does not agree with what safetensors read, and every read for another device, go
+    through ``get_slice``, which reads just those bytes.
     """
 
     kind = "safetensors"
@@ -295,17 +298,19 @@ class SafetensorsSource(Source):
         else:
             opened = list(files)
         self._handles: dict[Path, Any] = {}
+        self._sizes: dict[Path, int] = {}
         for f in opened:
             check_regular(f, "safetensors file")
             try:
                 self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+                self._sizes[f] = f.stat().st_size
             except Exception as exc:
                 msg = f"safetensors file {f} is unreadable: {one_line(exc)}"
                 raise CheckpointError(msg) from None
         self._file_of: dict[str, Path] = {}
         self._entries: dict[str, Entry] = {}
         self._layout: dict[Path, _Layout | None] = {}
-        self._mapped: dict[str, torch.Tensor | None] = {}
+        self._mapped: dict[str, int | None] = {}  # key -> byte offset in its mapped file
         #: Whether CPU reads may return views of the mapped files (False: always get_slice).
         self.mapped_reads = True
         held: dict[str, list[Path]] = {}
@@ -361,34 +366,34 @@ class SafetensorsSource(Source):
         """The whole tensor as a view of its memory-mapped file, or None (read with get_slice).
 
         The header is parsed here too and must agree with what safetensors read (dtype, shape)
-        and describe exactly the tensor's bytes inside the file, at an offset aligned to its
-        element size; anything else (duplicate header keys, a misaligned tensor) falls back to
-        get_slice, which copies.
+        and describe exactly the tensor's bytes inside the file (at any byte offset: files not
+        written by safetensors' own writer need not pad); anything else (duplicate header keys,
+        a file that shrank) falls back to get_slice, which copies.
         """
-        if key in self._mapped:
-            return self._mapped[key]
         f = self._file_of[key]
-        if f not in self._layout:
-            self._layout[f] = _safetensors_layout(f)
-        view = None
-        layout = self._layout[f]
         entry = self._entries[key]
-        if layout is not None and key in layout[2] and entry.dtype is not None:
-            storage, base, table = layout
-            start, end, dtype_name, shape = table[key]
-            item = entry.dtype.itemsize
-            if (
-                _SAFETENSORS_DTYPES.get(dtype_name) == entry.dtype
-                and shape == entry.shape
-                and end - start == math.prod(shape) * item
-                and (base + start) % item == 0
-                and base + end <= storage.nbytes()
-            ):
-                view = torch.empty(0, dtype=entry.dtype).set_(
-                    storage, (base + start) // item, shape, _contiguous_strides(shape)
-                )
-        self._mapped[key] = view
-        return view
+        if key not in self._mapped:
+            if f not in self._layout:
+                self._layout[f] = _safetensors_layout(f)
+            layout = self._layout[f]
+            at = None
+            if layout is not None and key in layout[2] and entry.dtype is not None:
+                _, base, table = layout
+                start, end, dtype_name, shape = table[key]
+                if (
+                    _SAFETENSORS_DTYPES.get(dtype_name) == entry.dtype
+                    and shape == entry.shape
+                    and end - start == math.prod(shape) * entry.dtype.itemsize
+                ):
+                    at = base + start
+            self._mapped[key] = at
+        at = self._mapped[key]
+        layout = self._layout[f]
+        if at is None or layout is None or entry.dtype is None:
+            return None
+        # A fresh view each time: mapped_view checks the file's size now (SIGBUS otherwise).
+        strides = _contiguous_strides(entry.shape)
+        return mapped_view(layout[0], at, entry.dtype, entry.shape, strides)
 
     @classmethod
     def from_path(cls, path: Path) -> SafetensorsSource:
@@ -428,11 +433,21 @@ class SafetensorsSource(Source):
         """Each region read with get_slice (only its bytes), then moved to `device`.
 
         Raises:
-            CheckpointError: A tensor held by two files with no index to choose.
+            CheckpointError: A tensor held by two files with no index to choose, or a file
+                that shrank since it was opened.
         """
         for r in regions:
             if r.key in self._refused:
                 raise CheckpointError(self._refused[r.key])
+        for f in {self._file_of[r.key] for r in regions}:
+            # Both safetensors' reader and the mapped views read a mapping of the file: one that
+            # shrank since it was opened would kill the process (SIGBUS) instead of raising.
+            now = f.stat().st_size
+            if now < self._sizes[f]:
+                raise CheckpointError(
+                    f"safetensors file {f} shrank from {self._sizes[f]} to {now} bytes after it "
+                    "was opened; refusing to read it (was it being rewritten?)"
+                )
 
         def fetch(r: Region) -> torch.Tensor:
             h = self._handles[self._file_of[r.key]]

@@ -91,6 +91,47 @@ def elements_spanned(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
 
 
+def map_private(fd: int) -> mmap.mmap | None:
+    """A whole open file mapped copy-on-write, or None (empty, or it cannot be mapped).
+
+    NOTE: [mapped files] Mapping page-cache pages costs a fraction of copying them (a few ms per
+    100 MB against tens), so both DCP chunks and safetensors tensors are handed to the kernels
+    as views of the mapped file (`mapped_view`), at whatever byte offset they lie: the kernels
+    read misaligned elements (load_as). Copy-on-write (``ACCESS_COPY``) only so that
+    torch.frombuffer gets a writable buffer: nothing writes to it, and a write could never reach
+    the file. The mapping lives as long as the last view of it.
+    """
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def mapped_view(
+    mapped: mmap.mmap,
+    start: int,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    stride: Sequence[int],
+) -> torch.Tensor | None:
+    """The strided tensor whose first element is at byte `start` of a mapped file, or None.
+
+    None when the file is now shorter than the view needs (it shrank after it was mapped):
+    touching a mapped page past the end of a file kills the process with SIGBUS, where a read
+    raises an error, so the caller reads those bytes instead.
+    """
+    shape, stride = tuple(shape), tuple(stride)
+    if 0 in shape:
+        return torch.empty(shape, dtype=dtype)
+    span = elements_spanned(shape, stride)
+    end = start + span * dtype.itemsize
+    if start < 0 or end > len(mapped) or end > mapped.size():  # size(): the file's size now
+        return None
+    t = torch.frombuffer(mapped, dtype=dtype, count=span, offset=start)
+    return t.as_strided(shape, stride)
+
+
 def populate(t: torch.Tensor) -> None:
     """Maps the pages under a memory-mapped CPU tensor now (read-ahead for the next kernel).
 
