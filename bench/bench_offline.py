@@ -149,9 +149,13 @@ def _run(argv: list[str]) -> tuple[float, float | None, int, str]:
 
 PY = sys.executable
 # Each child times its own work after its imports and prints "WORK <seconds>".
+# The clock starts after the imports and after one full garbage collection: the first one after
+# importing torch scans the ~10^6 objects the import made (~45 ms), a start-up cost that any
+# process pays once (a training job long before it checks anything), whichever call triggers it.
 TIMED = """
-import sys, time, json
+import sys, time, json, gc
 {imports}
+gc.collect()
 t0 = time.perf_counter()
 {work}
 print("WORK", time.perf_counter() - t0)
@@ -256,28 +260,36 @@ def measure(
     ]
     results = []
     for mode in ("warm", "cold") if cold else ("warm",):
-        for name, argv, nbytes, files, _ in rows:
-            if mode == "cold" and not files:
-                continue
-            walls, works, rss = [], [], []
+        todo = [row for row in rows if mode == "warm" or row[3]]
+        if mode == "warm":
+            # Warm means read from disk once, as a checkpoint that was copied or read before is:
+            # pages a reader brings in are cached in large folios that map with one entry per
+            # 2 MiB. Pages still cached from writing the files map per 4 KiB, which costs more
+            # (about 0.05 s per GB here): evict them first so that every run sees the same.
+            _evict(st + dc)
+            _run(["cat", *(str(f) for p in st + dc for f in _files(p))])
+        for _, argv, _, _, _ in todo:
             _run(argv)  # warm-up (and, warm, fills the page cache)
-            for _ in range(reps):
+        # Round-robin: each repetition runs every row once, so a slow spell of a shared machine
+        # lands on all rows alike instead of on the one that happened to run then (the
+        # command-line rows subtract the start-up row).
+        runs: dict[str, list[tuple[float, float | None, int, str]]] = {r[0]: [] for r in todo}
+        for _ in range(reps):
+            for name, argv, _, files, _ in todo:
                 if mode == "cold":
                     _evict(files)
-                w, k, r, _ = _run(argv)
-                walls.append(w)
-                rss.append(r)
-                if k is not None:
-                    works.append(k)
+                runs[name].append(_run(argv))
+        for name, _, nbytes, _, kind in todo:
+            works = [k for _, k, _, _ in runs[name] if k is not None]
             results.append(
                 {
                     "mode": mode,
                     "name": name,
                     "bytes": nbytes,
-                    "wall": statistics.median(walls),
+                    "wall": statistics.median(w for w, _, _, _ in runs[name]),
                     "work": statistics.median(works) if works else None,
-                    "rss": max(rss),
-                    "kind": dict((r[0], r[4]) for r in rows)[name],
+                    "rss": max(r for _, _, r, _ in runs[name]),
+                    "kind": kind,
                 }
             )
             print(f"# {mode} {name}: {results[-1]}", file=sys.stderr, flush=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import pickletools
+import struct
 import warnings
 from pathlib import Path
 
@@ -375,6 +377,81 @@ def test_storage_entry_outside_the_directory_or_past_the_end(tmp_path):
         one_line(e.value)
     (ok,) = src.read([Region("model.2.weight", (0, 0), (3, 7))], CPU)
     assert torch.equal(ok, tiny_state()["model"]["2.weight"])
+
+
+def _second_entry_for_a_chunk(p: Path) -> None:
+    """Appends to ``.metadata``'s pickle a storage entry stored under another key, then renamed.
+
+    The key is changed (a second BUILD of the same object) after the dict stored it, so the dict
+    holds two equal keys under different hashes: DCP's lookups find the original entry while a
+    check that walked the entries would see the hostile one (pointing outside the directory).
+    """
+    f = p / ".metadata"
+    md = pickle.loads(f.read_bytes())  # trusted test-side read of a real save
+    raw = pickle.dumps(md, protocol=2)
+    ops = list(pickletools.genops(raw))
+    # The memo slot of the storage_data dict: 'storage_data' (memoized), EMPTY_DICT, BINPUT n.
+    names = [op.name for op, _, _ in ops]
+    at = next(i for i, (_, arg, _) in enumerate(ops) if arg == "storage_data")
+    at = names.index("EMPTY_DICT", at)
+    memo = ops[at + 1][1]
+    assert names[at + 1] in ("BINPUT", "LONG_BINPUT") and isinstance(memo, int)
+    assert raw.endswith(b".")
+
+    def text(s: str) -> bytes:
+        return b"X" + struct.pack("<I", len(s)) + s.encode()
+
+    module = b"ctorch.distributed.checkpoint.metadata\nMetadataIndex\n"
+    info = b"ctorch.distributed.checkpoint.filesystem\n_StorageInfo\n"
+    offset = b"K\x00\x85"  # the tuple (0,)
+    tail = (
+        b"h" + bytes([memo]) if memo < 256 else b"j" + struct.pack("<I", memo)
+    ) + (  # storage_data
+        module + b")\x81}(" + text("fqn") + text("zzz") + text("offset") + offset + b"ub"
+        + b"r" + struct.pack("<I", 60000)  # the key, memoized
+        + info + b")\x81}(" + text("relative_path") + text("../outside.distcp")
+        + text("offset") + b"K\x00" + text("length") + b"M\x00\x04" + b"ub"
+        + b"s0"  # storage_data[key] = info; drop the dict
+        + b"j" + struct.pack("<I", 60000) + b"}(" + text("fqn") + text("model.0.bias") + b"ub0"
+    )  # fmt: skip
+    f.write_bytes(raw[:-1] + tail + b".")
+
+
+def test_a_storage_entry_renamed_after_it_was_stored_is_refused(tmp_path: Path) -> None:
+    p = save_dcp(tmp_path / "ck")
+    (tmp_path / "outside.distcp").write_bytes(b"\0" * 1024)
+    _second_entry_for_a_chunk(p)
+    trusting = pickle.loads((p / ".metadata").read_bytes())
+    keys = [i for i in trusting.storage_data if i.fqn == "model.0.bias"]
+    assert len(keys) == 2 and keys[0] == keys[1]  # the attack is in place
+    for attempt in (lambda: DCPSource(p), lambda: SafeFileSystemReader(p).read_metadata()):
+        with pytest.raises(CheckpointError, match="two storage entries") as e:
+            attempt()
+        one_line(e.value)
+    report = fsdpcheck.audit(p)
+    assert not report.ok and any("two storage entries" in f.message for f in report.findings)
+
+
+def test_self_referencing_or_exponentially_shared_metadata_gives_a_short_error(
+    tmp_path: Path,
+) -> None:
+    from fsdpcheck.sources.dcp_metadata import read_dcp_metadata, validate_metadata
+
+    p = save_dcp(tmp_path / "ck")
+    md = read_dcp_metadata(p)
+    chunk = md.state_dict_metadata["model.0.weight"].chunks[0]
+    chunk.offsets = chunk  # a cycle: its repr must not recurse
+    with pytest.raises(CheckpointError, match="chunk offsets is ChunkStorageMetadata") as e:
+        validate_metadata(md, "m")
+    assert len(one_line(e.value)) < 400
+    md = read_dcp_metadata(p)
+    shared: list = ["x"]
+    for _ in range(60):  # 2**60 leaves if printed in full
+        shared = [shared, shared]
+    md.planner_data = {"model.0.bias": ["model", shared]}
+    with pytest.raises(CheckpointError, match="not made of names") as e:
+        bounded(lambda: validate_metadata(md, "m"), 10)
+    assert len(one_line(e.value)) < 400
 
 
 def test_chunk_declaring_more_elements_than_its_bytes(tmp_path):

@@ -19,6 +19,7 @@ import enum
 import math
 import os
 import pickle
+import reprlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ __all__ = [
 METADATA_FILE = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+# Where torch < 2.2 defined TensorProperties (admitted by the unpickler under that name too).
+_OLD_TENSOR_PROPERTIES = "torch.distributed._shard.sharded_tensor.metadata"
 
 
 class _Mirror:
@@ -57,14 +60,32 @@ class _Mirror:
 
     Class attributes hold the dataclass's defaults, so a field the writer left out (DCP's
     ``_StorageInfo`` pickles only the fields that are not None) reads as its default, exactly as
-    it does on DCP's class.
+    it does on DCP's class. Unhashable, as DCP's (non-frozen) dataclasses are: a file that uses
+    one as a dict key fails here as it fails in DCP.
     """
 
     _fields: tuple[str, ...] = ()
+    __hash__ = None  # type: ignore[assignment]
 
+    @reprlib.recursive_repr()
     def __repr__(self) -> str:
-        inner = ", ".join(f"{f}={getattr(self, f, None)!r}" for f in self._fields)
+        inner = ", ".join(f"{f}={_show(getattr(self, f, None))}" for f in self._fields)
         return f"{type(self).__name__}({inner})"
+
+
+# Values from the file appear in messages only through this: a bounded depth and length, so a
+# self-referencing or deeply shared structure cannot make a message huge or recurse forever.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def _show(value: Any) -> str:
+    """A short repr of a value read from a file (see `_REPR`)."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a repr that fails (or recurses) still gets named
+        return f"<{type(value).__name__}>"
 
 
 class ChunkStorageMetadata(_Mirror):
@@ -144,7 +165,11 @@ class Metadata(_Mirror):
 
 
 class MetadataIndex(_Mirror):
-    """Mirror of DCP's MetadataIndex: equal and hashed by (fqn, offset), as DCP's (frozen)."""
+    """Mirror of DCP's MetadataIndex: equal and hashed by (fqn, offset), as DCP's (frozen).
+
+    (A key's hash is taken when the unpickler stores it; `validate_metadata` refuses a key
+    changed after that.)
+    """
 
     _fields = ("fqn", "offset", "index")
     fqn: Any = None
@@ -160,7 +185,7 @@ class MetadataIndex(_Mirror):
             return NotImplemented
         return (self.fqn, self.offset) == (other.fqn, other.offset)
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]
         return hash((self.fqn, self.offset))
 
 
@@ -177,6 +202,9 @@ class StorageInfo(_Mirror):
 class _Opaque(_Mirror):
     """A planner record megatron-core caches in the metadata: kept, never interpreted."""
 
+    # Some are frozen dataclasses or enums in DCP (hashable).
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args, self.kwargs = args, kwargs
 
@@ -191,7 +219,7 @@ _MIRRORS: dict[tuple[str, str], Any] = {
     (_DCP_METADATA, "StorageMeta"): StorageMeta,
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
     (_DCP_FILESYSTEM, "_StorageInfo"): StorageInfo,
-    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): TensorProperties,
+    (_OLD_TENSOR_PROPERTIES, "TensorProperties"): TensorProperties,
     **{
         (module, name): type(name, (_Opaque,), {})
         for module in ("torch.distributed.checkpoint.planner", "torch.distributed._shard.metadata")
@@ -204,11 +232,11 @@ def _mirror(module: str, name: str) -> Any:
     return _MIRRORS[(module, name)]
 
 
-def _kinds(name: str, module: str = _DCP_METADATA) -> Any:  # a tuple of classes
-    """The mirror class `name` and, when DCP is imported (its objects can exist), DCP's own."""
+def _kinds(name: str, *modules: str) -> Any:  # a tuple of classes
+    """The mirror class `name` and, where DCP is imported (its objects can exist), DCP's own."""
     mirror = StorageInfo if name == "_StorageInfo" else globals()[name]
-    real = getattr(sys.modules.get(module), name, None)
-    return (mirror,) if real is None else (mirror, real)
+    real = [getattr(sys.modules.get(m), name, None) for m in modules or (_DCP_METADATA,)]
+    return (mirror, *(r for r in real if r is not None))
 
 
 def read_dcp_metadata(
@@ -252,13 +280,16 @@ def read_dcp_metadata(
         # Building an admitted class with wrong arguments raises TypeError/ValueError/...
         msg = f"{what} is unreadable: {type(exc).__name__}: {one_line(exc)}"
         raise CheckpointError(msg) from None
-    validate_metadata(md, what)
+    try:
+        validate_metadata(md, what)
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
     return md
 
 
 def _ints(value: Any, what: str, field: str, *, allow_negative: bool = False) -> tuple[int, ...]:
     if not isinstance(value, (torch.Size, tuple, list)) or not all(type(v) is int for v in value):
-        raise CheckpointError(f"{what}: {field} is {value!r:.80}, not a sequence of ints")
+        raise CheckpointError(f"{what}: {field} is {_show(value)}, not a sequence of ints")
     if not allow_negative and any(v < 0 for v in value):
         raise CheckpointError(f"{what}: {field} {tuple(value)} has a negative entry")
     return tuple(value)
@@ -280,10 +311,11 @@ def validate_metadata(md: Any, what: str) -> None:
     if not isinstance(sdm, dict):
         raise CheckpointError(f"{what}: state_dict_metadata is not a dict")
     tensor_meta, bytes_meta = _kinds("TensorStorageMetadata"), _kinds("BytesStorageMetadata")
-    props_kinds, chunk_kinds = _kinds("TensorProperties"), _kinds("ChunkStorageMetadata")
+    props_kinds = _kinds("TensorProperties", _DCP_METADATA, _OLD_TENSOR_PROPERTIES)
+    chunk_kinds = _kinds("ChunkStorageMetadata")
     for key, meta in sdm.items():
         if not isinstance(key, str):
-            raise CheckpointError(f"{what}: key {key!r:.80} is not a string")
+            raise CheckpointError(f"{what}: key {_show(key)} is not a string")
         if isinstance(meta, tensor_meta):
             props = getattr(meta, "properties", None)
             if not isinstance(props, props_kinds) or not isinstance(
@@ -311,21 +343,36 @@ def validate_metadata(md: Any, what: str) -> None:
         # DCP's default planner records each flattened key's path in the state dict; the key
         # is those components joined by dots. A path that does not spell its key would make
         # fsdpcheck and torch name the tensor differently.
-        spelled = ".".join(str(p) for p in path) if isinstance(path, (list, tuple)) else key
-        if key in sdm and path and spelled != key:
+        if not isinstance(key, str) or key not in sdm or not isinstance(path, (list, tuple)):
+            continue  # not a path fsdpcheck reads (planner_paths uses the key itself)
+        if not all(type(p) in (str, int) for p in path):
             raise CheckpointError(
-                f"{what}: planner_data gives {key!r:.80} the path {tuple(path)!r:.80}, which "
-                "does not spell it"
+                f"{what}: planner_data gives {_show(key)} the path {_show(path)}, which is not "
+                "made of names and indices"
+            )
+        if path and ".".join(str(p) for p in path) != key:
+            raise CheckpointError(
+                f"{what}: planner_data gives {_show(key)} the path {_show(path)}, which does "
+                "not spell it"
             )
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
         raise CheckpointError(f"{what}: storage_data is not a dict")
     index_kinds, info_kinds = _kinds("MetadataIndex"), _kinds("_StorageInfo", _DCP_FILESYSTEM)
+    seen: set[Position] = set()
     for idx, info in storage.items():
         if not isinstance(idx, index_kinds) or not isinstance(idx.fqn, str):
             raise CheckpointError(f"{what}: a storage_data key is not a MetadataIndex")
         if idx.offset is not None:
             _ints(idx.offset, what, f"{idx.fqn}: storage index offset", allow_negative=True)
+        # A key changed after the unpickler stored it (a later BUILD of the same object) sits
+        # under a stale hash: DCP's lookups would find another entry than the one checked.
+        pos = position(idx)
+        if pos in seen or storage.get(idx) is not info:
+            raise CheckpointError(
+                f"{what}: {idx.fqn}: two storage entries claim the chunk at {pos[1]}"
+            )
+        seen.add(pos)
         if not isinstance(info, info_kinds):
             raise CheckpointError(f"{what}: {idx.fqn}: storage entry is a {type(info).__name__}")
         if not isinstance(getattr(info, "relative_path", None), str):
@@ -333,7 +380,7 @@ def validate_metadata(md: Any, what: str) -> None:
         for name in ("offset", "length"):
             v = getattr(info, name, None)
             if type(v) is not int or v < 0:
-                raise CheckpointError(f"{what}: {idx.fqn}: storage {name} is {v!r:.40}")
+                raise CheckpointError(f"{what}: {idx.fqn}: storage {name} is {_show(v)}")
         td = getattr(info, "transform_descriptors", None)
         if td is not None and (
             not isinstance(td, (list, tuple)) or not all(isinstance(t, str) for t in td)
