@@ -2,7 +2,7 @@
 
 Builds the data set (two bf16 safetensors files of 96 tensors that differ in one element, and
 a 4-rank ``fsdpcheck.save`` of the second one: a DCP directory with a manifest), then times, each
-in a fresh process and each the median of ``--reps`` runs:
+in a fresh process and each the median of ``--reps`` rounds (a round runs every row once):
 
   * ``cat`` of the same files (the floor: every byte read once),
   * the naive script users write (``load_file`` both + a ``torch.equal`` loop) and a plain
@@ -13,12 +13,13 @@ in a fresh process and each the median of ``--reps`` runs:
 
 Reported per command: whole-process wall time, the time of the work alone (measured inside the
 process after its imports), GB/s of the bytes it must read, ratio to ``cat`` and to the naive
-script, and the process's peak RSS. Warm runs read through a warm page cache; ``--cold`` also
-evicts the files with ``posix_fadvise(DONTNEED)`` before each run (no root needed; pages still
-mapped elsewhere may stay).
+script, and the process's peak RSS. Warm runs read through a page cache filled by reading the
+files once (after evicting them); ``--cold`` also evicts the files with
+``posix_fadvise(DONTNEED)`` before each run (no root needed; pages still mapped elsewhere may
+stay).
 
 Examples:
-    python bench/bench_offline.py                 # 1.3 GB per file, as in the issue
+    python bench/bench_offline.py                 # 1.3 GB per file
     python bench/bench_offline.py --size 200M --reps 1
     python bench/bench_offline.py --cold --keep /tmp/offline-data
 """
@@ -335,7 +336,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=_size, default=int(1.3e9), help="bytes per file (1.3G)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted")
     ap.add_argument("--keep", type=Path, default=None, help="build (or reuse) the data here")
     ap.add_argument("--json", type=Path, default=None)
