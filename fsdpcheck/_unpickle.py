@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -138,4 +139,50 @@ def restricted_loads(
         UnsafePickleError: It names anything else (one line naming module.class and `what`).
         pickle.UnpicklingError: It is not a valid pickle.
     """
-    return _Unpickler(io.BytesIO(data), what, resolve).load()
+    return _on_a_deep_stack(lambda: _Unpickler(io.BytesIO(data), what, resolve).load(), len(data))
+
+
+# C stack per byte of pickle. Each TUPLE1 opcode (one byte) nests a tuple one level deeper, and
+# hashing a nested tuple (a dict key) recurses in C without Python's recursion check: measured,
+# 100k levels fit in the 8 MiB main-thread stack and 200k do not (40-80 bytes a level), so a
+# 2 MB hostile file would crash the process. 256 bytes per byte leaves a 3-6x margin.
+_STACK_PER_BYTE = 256
+_MIN_STACK, _MAX_STACK = 8 << 20, 16 << 30
+
+
+def _on_a_deep_stack(fn: Callable[[], Any], nbytes: int) -> Any:
+    """fn() on a thread whose stack holds any nesting `nbytes` of pickle can build.
+
+    The stack is address space reserved, not memory used: only the pages a deep structure
+    touches are. Where such a thread cannot be started (a strict overcommit policy), fn runs
+    here, with the stack this thread has.
+    """
+    size = min(max(_MIN_STACK, _STACK_PER_BYTE * nbytes), _MAX_STACK)
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # re-raised in the caller's thread
+            out.append((False, exc))
+
+    with _STACK_LOCK:  # the stack size is process-wide state: set it for this one thread only
+        old = threading.stack_size()
+        try:
+            threading.stack_size(size)
+            worker = threading.Thread(target=run, name="fsdpcheck-unpickle", daemon=True)
+            worker.start()
+        except (RuntimeError, ValueError, MemoryError):
+            worker = None
+        finally:
+            threading.stack_size(old)
+    if worker is None:
+        return fn()
+    worker.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+_STACK_LOCK = threading.Lock()

@@ -454,6 +454,30 @@ def test_self_referencing_or_exponentially_shared_metadata_gives_a_short_error(
     assert len(one_line(e.value)) < 400
 
 
+def test_deeply_nested_metadata_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """2 MB of TUPLE1 opcodes: a tuple nested 2M deep, hashed as a dict key while unpickling.
+
+    The hash recurses in C without Python's recursion check; on an 8 MiB stack the process
+    would die of SIGSEGV. Run in a child so that a crash fails this test, not the session.
+    """
+    import subprocess
+    import sys
+
+    d = tmp_path / "deep"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"\x80\x04}" + b")" + b"\x85" * 2_000_000 + b"K\x01s.")
+    code = (
+        "import sys\nfrom fsdpcheck.sources.dcp import DCPSource\n"
+        "from fsdpcheck.sources.base import CheckpointError\n"
+        "try:\n    DCPSource(sys.argv[1])\nexcept CheckpointError as e:\n    print(e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "holds a dict, not DCP Metadata" in done.stdout
+
+
 def test_chunk_declaring_more_elements_than_its_bytes(tmp_path):
     p = save_dcp(tmp_path / "ck")
 
