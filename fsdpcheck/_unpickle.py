@@ -13,9 +13,11 @@ never a callable named by the file.
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
 import threading
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -139,24 +141,30 @@ def restricted_loads(
         UnsafePickleError: It names anything else (one line naming module.class and `what`).
         pickle.UnpicklingError: It is not a valid pickle.
     """
-    return _on_a_deep_stack(lambda: _Unpickler(io.BytesIO(data), what, resolve).load(), len(data))
+    return on_a_deep_stack(lambda: _Unpickler(io.BytesIO(data), what, resolve).load(), len(data))
 
 
 # C stack per byte of pickle. Each TUPLE1 opcode (one byte) nests a tuple one level deeper, and
 # hashing a nested tuple (a dict key) recurses in C without Python's recursion check: measured,
 # 100k levels fit in the 8 MiB main-thread stack and 200k do not (40-80 bytes a level), so a
 # 2 MB hostile file would crash the process. 256 bytes per byte leaves a 3-6x margin.
+# torch's weights-only unpickler (pure Python) builds tuples the same way and crashes alike.
 _STACK_PER_BYTE = 256
 _MIN_STACK, _MAX_STACK = 8 << 20, 16 << 30
+# Pickles that cannot nest deeper than this much stack run on the caller's thread (any thread
+# has at least 8 MiB on Linux): a DCP chunk's data.pkl is a few hundred bytes.
+_INLINE_STACK = 2 << 20
 
 
-def _on_a_deep_stack(fn: Callable[[], Any], nbytes: int) -> Any:
-    """fn() on a thread whose stack holds any nesting `nbytes` of pickle can build.
+def on_a_deep_stack(fn: Callable[[], Any], nbytes: int) -> Any:
+    """fn() (unpickling `nbytes` of pickle) with a stack that holds any nesting they can build.
 
-    The stack is address space reserved, not memory used: only the pages a deep structure
-    touches are. Where such a thread cannot be started (a strict overcommit policy), fn runs
-    here, with the stack this thread has.
+    Small pickles run here. Larger ones run on a thread whose stack is sized for them: address
+    space reserved, not memory used (only the pages a deep structure touches are). Where such a
+    thread cannot be started (a strict overcommit policy), fn runs here too.
     """
+    if _STACK_PER_BYTE * nbytes <= _INLINE_STACK:
+        return fn()
     size = min(max(_MIN_STACK, _STACK_PER_BYTE * nbytes), _MAX_STACK)
     out: list[Any] = []
 
@@ -186,3 +194,25 @@ def _on_a_deep_stack(fn: Callable[[], Any], nbytes: int) -> Any:
 
 
 _STACK_LOCK = threading.Lock()
+
+
+def pickle_bytes(f: str | os.PathLike[str] | bytes) -> int:
+    """Bytes of pickle in a torch.save file or blob: its ``data.pkl`` records, or all of it.
+
+    Read from the zip's central directory (the sizes torch's reader goes by); a file that is not
+    a zip (the legacy format) is all pickle.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(f) if isinstance(f, bytes) else f) as z:
+            return sum(i.file_size for i in z.infolist() if i.filename.endswith("data.pkl"))
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
+        return len(f) if isinstance(f, bytes) else os.stat(f).st_size
+
+
+def load_weights_only(f: str | os.PathLike[str] | bytes, **kwargs: Any) -> Any:
+    """``torch.load(f, weights_only=True, **kwargs)`` with a stack that fits its pickle's nesting.
+
+    `f` is a path or the bytes of a torch.save blob. Raises what torch.load raises.
+    """
+    src = io.BytesIO(f) if isinstance(f, bytes) else f
+    return on_a_deep_stack(lambda: torch.load(src, weights_only=True, **kwargs), pickle_bytes(f))

@@ -478,6 +478,36 @@ def test_deeply_nested_metadata_is_refused_not_a_crash(tmp_path: Path) -> None:
     assert "holds a dict, not DCP Metadata" in done.stdout
 
 
+def test_deeply_nested_torch_save_is_read_not_a_crash(tmp_path: Path) -> None:
+    """The same nesting in a torch.save file's data.pkl (torch's weights-only unpickler)."""
+    import io
+    import subprocess
+    import sys
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"a": torch.ones(2)}, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z, zipfile.ZipFile(out, "w") as w:
+        for info in z.infolist():
+            data = z.read(info.filename)
+            if info.filename.endswith("data.pkl"):  # {((...(),...),): 1}, 2M levels
+                data = b"\x80\x02}" + b")" + b"\x85" * 2_000_000 + b"K\x01s."
+            w.writestr(info, data)
+    f = tmp_path / "deep.pt"
+    f.write_bytes(out.getvalue())
+    code = (
+        "import sys\nfrom fsdpcheck.sources.files import TorchSaveSource\n"
+        "s = TorchSaveSource(sys.argv[1])\nprint(sorted(s.entries()), s.problems())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(f)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    # Loaded: one non-tensor entry, named by a bounded repr of its key.
+    assert done.stdout == "['(((...),),)'] []\n", done.stdout
+
+
 def test_chunk_declaring_more_elements_than_its_bytes(tmp_path):
     p = save_dcp(tmp_path / "ck")
 

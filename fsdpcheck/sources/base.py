@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -247,6 +248,21 @@ def slices(region: Region) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(region.offset, region.size))
 
 
+_KEY_REPR = reprlib.Repr()
+_KEY_REPR.maxlevel, _KEY_REPR.maxother, _KEY_REPR.maxstring = 2, 60, 200
+
+
+def _key_text(k: Any) -> str:
+    """A dict key as a path component: names and numbers as written, anything else bounded.
+
+    (A key read from a file may be a tuple nested a million deep or shared exponentially;
+    ``str`` of it would recurse or never finish.)
+    """
+    if k is None or isinstance(k, (str, int, float)):
+        return str(k)
+    return _KEY_REPR.repr(k)
+
+
 def nested_entries(
     obj: Any,
     path: tuple[str, ...],
@@ -262,7 +278,7 @@ def nested_entries(
     """
     if isinstance(obj, dict):
         for k, v in obj.items():
-            nested_entries(v, (*path, str(k)), out, collisions)
+            nested_entries(v, (*path, _key_text(k)), out, collisions)
     elif isinstance(obj, (list, tuple)) and any(
         isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj
     ):

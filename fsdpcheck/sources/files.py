@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fsdpcheck._unpickle import load_weights_only
 from fsdpcheck.sources.base import (
     CheckpointError,
     Entry,
@@ -77,12 +78,12 @@ class TorchSaveSource(Source):
         self.description = f"torch.save file {self.path}"
         try:
             try:
-                obj = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+                obj = load_weights_only(self.path, map_location="cpu", mmap=True)
             except RuntimeError as exc:
                 if "mmap" not in str(exc):
                     raise
                 # Files written with _use_new_zipfile_serialization=False cannot be mapped.
-                obj = torch.load(self.path, map_location="cpu", weights_only=True)
+                obj = load_weights_only(self.path, map_location="cpu")
         except (FileNotFoundError, MemoryError):
             raise
         except Exception as exc:
@@ -90,7 +91,10 @@ class TorchSaveSource(Source):
             raise CheckpointError(msg) from None
         flat: dict[str, tuple[tuple[str, ...], Any]] = {}
         collisions: set[str] = set()
-        nested_entries(obj, (), flat, collisions)
+        try:
+            nested_entries(obj, (), flat, collisions)
+        except RecursionError:
+            raise CheckpointError(f"{self.description} is nested too deeply") from None
         self._values: dict[str, Any] = {}
         self._entries: dict[str, Entry] = {}
         self._refused: dict[str, str] = {}

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fsdpcheck._unpickle import on_a_deep_stack
 from fsdpcheck.sources.base import CheckpointError
 
 PAGE = mmap.PAGESIZE
@@ -417,10 +418,13 @@ def _layout(
             return _layouts[pickled]
     try:
         # weights_only: torch's restricted unpickler; "meta": no storage bytes are read.
-        t = torch.load(
-            io.BufferedReader(_Window(fd, start, length), 1 << 14),
-            map_location="meta",
-            weights_only=True,
+        t = on_a_deep_stack(
+            lambda: torch.load(
+                io.BufferedReader(_Window(fd, start, length), 1 << 14),
+                map_location="meta",
+                weights_only=True,
+            ),
+            len(pickled),
         )
     except Exception:
         t = None

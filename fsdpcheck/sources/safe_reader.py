@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from fsdpcheck._unpickle import load_weights_only
 from fsdpcheck.sources.base import CheckpointError, check_regular, one_line
 from fsdpcheck.sources.dcp_metadata import (
     StorageCheck,
@@ -63,7 +64,7 @@ def safe_bytes(data: bytes, what: str) -> io.BytesIO:
         CheckpointError: It is not a torch.save blob or names something weights_only refuses.
     """
     try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        value = load_weights_only(data, map_location="cpu")
     except Exception as exc:
         raise CheckpointError(f"{what} cannot be loaded weights_only: {one_line(exc)}") from None
     out = io.BytesIO()
@@ -168,7 +169,7 @@ class SafeFileSystemReader(FileSystemReader):
             planner.load_bytes(req, safe_bytes(raw, what))
             return
         try:
-            blob = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            blob = load_weights_only(raw, map_location="cpu")
         except Exception as exc:
             raise CheckpointError(f"{what}: cannot load the saved chunk: {one_line(exc)}") from None
         if not isinstance(blob, torch.Tensor):
