@@ -266,7 +266,8 @@ def measure(
             # Warm means read from disk once, as a checkpoint that was copied or read before is:
             # pages a reader brings in are cached in large folios that map with one entry per
             # 2 MiB. Pages still cached from writing the files map per 4 KiB, which costs more
-            # (about 0.05 s per GB here): evict them first so that every run sees the same.
+            # (a DCP fingerprint of 1.3 GB: 0.02 s more): evict them first so that every run
+            # sees the same.
             _evict(st + dc)
             _run(["cat", *(str(f) for p in st + dc for f in _files(p))])
         for _, argv, _, _, _ in todo:

@@ -38,7 +38,6 @@ from fsdpcheck.sources.dcp_metadata import (
 from fsdpcheck.sources.rawio import (
     RawChunk,
     aligned_empty,
-    elements_spanned,
     locate_chunk,
     map_private,
     mapped_view,
@@ -263,12 +262,11 @@ class DCPSource(Source):
             return None
         rel = self._storage[pos].relative_path
         mapped = self._map(rel)
-        item = rc.dtype.itemsize
-        start = rc.data_offset + rc.storage_offset * item
-        if mapped is None or start + elements_spanned(rc.shape, rc.stride) * item > (
-            rc.data_offset + rc.nbytes
-        ):
+        if mapped is None:
             return None
+        # The elements lie inside the chunk's storage record (a RawChunk guarantees it);
+        # mapped_view checks them against the file's size now.
+        start = rc.data_offset + rc.storage_offset * rc.dtype.itemsize
         t = mapped_view(mapped, start, rc.dtype, rc.shape, rc.stride)
         if t is None:
             return None

@@ -204,6 +204,9 @@ class _Window(io.RawIOBase):
 class RawChunk:
     """Where a DCP chunk's elements lie in its ``.distcp`` file, and how they are laid out.
 
+    `locate_chunk` makes one only when every element (from `storage_offset`, spanning `shape`
+    and `stride`) lies inside the `nbytes` of the storage record.
+
     Attributes:
         data_offset: File offset of the chunk's storage byte 0.
         nbytes: Bytes of the storage record.
