@@ -14,6 +14,20 @@ pip_install() {
   rm -f "$log"
 }
 
+# need_disk GIB WHAT: stop with a clear message when the file system that holds $VENV has less
+# than GIB GiB free (pip's own "No space left on device" names neither the need nor the place).
+need_disk() {
+  local dir free_kib
+  dir=$(dirname "$(realpath -m "$VENV")")
+  free_kib=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+  if [ "$free_kib" -lt $(($1 * 1024 * 1024)) ]; then
+    echo "setup: $2 needs about $1 GiB free in $dir; $((free_kib / 1024)) MiB are free there" >&2
+    df -h "$dir" >&2
+    echo "setup: free disk space (old clones, build trees, other venvs) and run again" >&2
+    return 1
+  fi
+}
+
 make_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$VENV"

@@ -12,6 +12,8 @@ VENV=${FSDPCHECK_CUDA_VENV:-.venv-cuda}
 source scripts/_env.sh
 make_venv
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  # A CUDA build of torch and the NVIDIA libraries it loads take ~5.6 GiB in the venv.
+  need_disk 7 "installing ${FSDPCHECK_CUDA_TORCH:-torch==2.14.1} into $VENV"
   echo "cuda-build: installing ${FSDPCHECK_CUDA_TORCH:-torch==2.14.1} into $VENV"
   pip_install "${FSDPCHECK_CUDA_TORCH:-torch==2.14.1}"
 fi

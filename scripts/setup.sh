@@ -12,6 +12,8 @@ VENV=${FSDPCHECK_VENV:-.venv}
 source scripts/_env.sh
 make_venv
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  # torch, the trainer libraries and the build take ~2 GiB in the venv.
+  need_disk 3 "installing ${FSDPCHECK_TORCH:-torch==2.13.0} and the test libraries into $VENV"
   echo "setup: installing ${FSDPCHECK_TORCH:-torch==2.13.0} into $VENV"
   pip_install "${FSDPCHECK_TORCH:-torch==2.13.0}"
 fi
