@@ -505,7 +505,7 @@ def test_deeply_nested_torch_save_is_read_not_a_crash(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     # Loaded: one non-tensor entry, named by a bounded repr of its key.
-    assert done.stdout == "['(((...),),)'] []\n", done.stdout
+    assert done.stdout == "['((((...),),),)'] []\n", done.stdout
 
 
 def test_chunk_declaring_more_elements_than_its_bytes(tmp_path):

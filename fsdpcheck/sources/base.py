@@ -248,19 +248,27 @@ def slices(region: Region) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(region.offset, region.size))
 
 
-_KEY_REPR = reprlib.Repr()
-_KEY_REPR.maxlevel, _KEY_REPR.maxother, _KEY_REPR.maxstring = 2, 60, 200
+# Values read from a file appear in messages and key names only through `show_value`: a
+# bounded depth and length, so a self-referencing, million-deep or exponentially shared
+# structure cannot make a message huge, recurse or never finish.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def show_value(value: Any) -> str:
+    """A short repr of a value read from a file (see `_REPR`)."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a repr that fails (or recurses) still gets named
+        return f"<{type(value).__name__}>"
 
 
 def _key_text(k: Any) -> str:
-    """A dict key as a path component: names and numbers as written, anything else bounded.
-
-    (A key read from a file may be a tuple nested a million deep or shared exponentially;
-    ``str`` of it would recurse or never finish.)
-    """
+    """A dict key as a path component: names and numbers as written, anything else bounded."""
     if k is None or isinstance(k, (str, int, float)):
         return str(k)
-    return _KEY_REPR.repr(k)
+    return show_value(k)
 
 
 def nested_entries(

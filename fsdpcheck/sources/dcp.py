@@ -33,7 +33,6 @@ from fsdpcheck.sources.dcp_metadata import (
     is_tensor_meta,
     planner_paths,
     read_dcp_metadata,
-    storage_by_position,
 )
 from fsdpcheck.sources.rawio import (
     RawChunk,
@@ -79,7 +78,7 @@ class DCPSource(Source):
         self._metadata_bytes = f.read_bytes()
         self._md = read_dcp_metadata(self.path, data=self._metadata_bytes)
         self._check = check_storage(self.path, self._md)
-        self._storage = storage_by_position(self._md)
+        self._storage = self._check.storage
         # DCP's reader (and DCP's import) only for what is not read by byte range here.
         self._safe_reader: Any = None
         paths = planner_paths(self._md)

@@ -21,7 +21,7 @@ import os
 import pickle
 import reprlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 
 from fsdpcheck._unpickle import ADMITTED, UnsafePickleError, restricted_loads
 from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, file_problem, one_line
+from fsdpcheck.sources.base import show_value as _show
 from fsdpcheck.sources.tiling import tiling_problems
 
 __all__ = [
@@ -71,21 +72,6 @@ class _Mirror:
     def __repr__(self) -> str:
         inner = ", ".join(f"{f}={_show(getattr(self, f, None))}" for f in self._fields)
         return f"{type(self).__name__}({inner})"
-
-
-# Values from the file appear in messages only through this: a bounded depth and length, so a
-# self-referencing or deeply shared structure cannot make a message huge or recurse forever.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
-def _show(value: Any) -> str:
-    """A short repr of a value read from a file (see `_REPR`)."""
-    try:
-        return _REPR.repr(value)
-    except Exception:  # a repr that fails (or recurses) still gets named
-        return f"<{type(value).__name__}>"
 
 
 class ChunkStorageMetadata(_Mirror):
@@ -417,12 +403,15 @@ class StorageCheck:
         bad_entries: Storage entries that must not be read (by `position`), with the reason.
         overlapping: Keys whose chunks overlap (reads of them cannot assume disjoint chunks).
         gaps: Keys with a region no chunk covers.
+        storage: ``md.storage_data`` by `position` (`storage_by_position`).
     """
 
     findings: list[Problem]
     bad_entries: dict[Position, str]
     overlapping: set[str]
     gaps: set[str]
+    # Not compared: the records are DCP's classes or the mirrors, by who read the metadata.
+    storage: dict[Position, Any] = field(compare=False, repr=False)
 
     @property
     def problems(self) -> list[Problem]:
@@ -517,4 +506,4 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
         if (fqn, why) not in seen:
             seen.add((fqn, why))
             problems.append((fqn, "error", why))
-    return StorageCheck(problems, bad, overlapping, gaps)
+    return StorageCheck(problems, bad, overlapping, gaps, storage)
