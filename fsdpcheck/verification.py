@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from fsdpcheck.live import live_state
 from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, open_source
-from fsdpcheck.sources.prefetch import batch_bytes
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.tolerances import tolerance
 
@@ -317,14 +317,13 @@ def _compare_values(
     """Reads and compares every local piece in batches under the budget; returns bytes read.
 
     Batches are at most ``batch_bytes(budget)`` (``prefetch.STEP`` at most): the arena stays
-    small and warm instead of a budget's worth of freshly faulted pages.
+    small and warm instead of a budget's worth of freshly faulted pages. A batch holds pieces
+    on one device only (shards offloaded to the CPU beside shards on a GPU are batched apart).
     """
     step = batch_bytes(budget)
     entries = p.source.entries()
-    arena = Arena()
-    batch: list[_Work] = []
-    held = 0
-    done = 0
+    batches: dict[torch.device, list[list[_Work]]] = {}
+    held: dict[torch.device, int] = {}
     for i, (item, lay) in enumerate(zip(p.match.items, p.layouts)):
         if lay is None:
             stats[i].errors += 1
@@ -338,6 +337,8 @@ def _compare_values(
             stats[i].holders = 1
             assert piece.box.offset is not None
             p_off = tuple(piece.box.offset)
+            dev = piece.tensor.device
+            mine = batches.setdefault(dev, [])
             for part_off, part_size in _along_chunks(p_off, tuple(piece.tensor.shape), saved):
                 for off, size in row_blocks(part_off, part_size, elsize, step):
                     actual = piece.tensor
@@ -354,14 +355,99 @@ def _compare_values(
                         lay.replicated,
                     )
                     nbytes = w.region.numel * elsize
-                    if batch and held + nbytes > step:
-                        done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
-                        batch, held = [], 0
-                    batch.append(w)
-                    held += nbytes
-    if batch:
-        done += _flush(p.source, arena, batch, stats, findings, p.match, equal_nan)
+                    if not mine or held[dev] + nbytes > step:
+                        mine.append([])
+                        held[dev] = 0
+                    mine[-1].append(w)
+                    held[dev] += nbytes
+    done = 0
+    for device, todo in batches.items():
+        run = _direct if p.source.in_memory else _prefetched
+        for works, refs in run(p.source, device, todo, stats, findings, p.match):
+            done += sum(r.numel() * r.element_size() for r in refs)
+            diffs = compare_each(
+                [w.actual for w in works],
+                refs,
+                boxes=[w.box for w in works],
+                settings=[(*w.tol, w.fingerprint) for w in works],
+                equal_nan=equal_nan,
+            )
+            for w, diff in zip(works, diffs):
+                stats[w.key_index].add(diff, w.box)
+            del refs
     return done
+
+
+#: Batches of pieces with the reference regions read for them.
+_Reads = Iterator[tuple[list[_Work], list[torch.Tensor]]]
+
+
+def _direct(
+    source: Source,
+    device: torch.device,
+    batches: list[list[_Work]],
+    stats: list[KeyStats],
+    findings: list[Finding],
+    m: matching.LiveMatch,
+) -> _Reads:
+    """Reads of a reference in memory: views where it lies, else copies into one arena."""
+    arena = Arena()
+    for works in batches:
+        try:
+            out = arena.carve(device, [(w.region.size, w.ref_dtype) for w in works])
+            refs = source.read([w.region for w in works], device, out)
+        except Exception as exc:  # unreadable file, out of memory: a finding, not a hang
+            _read_failed(works, exc, stats, findings, m)
+            continue
+        yield works, refs
+
+
+def _prefetched(
+    source: Source,
+    device: torch.device,
+    batches: list[list[_Work]],
+    stats: list[KeyStats],
+    findings: list[Finding],
+    m: matching.LiveMatch,
+) -> _Reads:
+    """Reads of a reference on disk: the next batch is read while this one is compared.
+
+    Read ahead on worker threads, and on a GPU through pinned buffers and a side stream
+    (NOTE: [prefetch]). A batch whose read fails becomes findings for its keys, and the reads
+    go on with the next batch.
+    """
+    start = 0
+    while start < len(batches):
+        plan = ((k, [(source, [w.region for w in batches[k]])]) for k in range(start, len(batches)))
+        reads = Prefetcher(device).run(plan)
+        at = start  # the batch the next result belongs to
+        try:
+            while True:
+                try:
+                    k, (refs,) = next(reads)
+                except StopIteration:
+                    return
+                except Exception as exc:  # unreadable file, out of memory: a finding
+                    _read_failed(batches[at], exc, stats, findings, m)
+                    break
+                yield batches[k], refs
+                at = k + 1
+        finally:
+            reads.close()  # the reads in flight stop before the arenas go
+        start = at + 1
+
+
+def _read_failed(
+    works: list[_Work],
+    exc: BaseException,
+    stats: list[KeyStats],
+    findings: list[Finding],
+    m: matching.LiveMatch,
+) -> None:
+    msg = f"reading the reference failed: {describe_error(exc)}"
+    for key_index in sorted({w.key_index for w in works}):
+        stats[key_index].errors += 1
+        findings.append(Finding(m.items[key_index].key, "error", msg))
 
 
 def _along_chunks(
@@ -386,44 +472,6 @@ def _along_chunks(
     ):
         return [piece]
     return parts
-
-
-def _flush(
-    source: Source,
-    arena: Arena,
-    batch: list[_Work],
-    stats: list[KeyStats],
-    findings: list[Finding],
-    m: matching.LiveMatch,
-    equal_nan: bool,
-) -> int:
-    """Reads one batch of reference regions and compares it, in one fused call per kind."""
-    by_device: dict[torch.device, list[_Work]] = {}
-    for w in batch:
-        by_device.setdefault(w.actual.device, []).append(w)
-    done = 0
-    for device, works in by_device.items():
-        try:
-            out = arena.carve(device, [(w.region.size, w.ref_dtype) for w in works])
-            refs = source.read([w.region for w in works], device, out)
-        except Exception as exc:  # unreadable file, out of memory: a finding, not a hang
-            msg = f"reading the reference failed: {describe_error(exc)}"
-            for key_index in sorted({w.key_index for w in works}):
-                stats[key_index].errors += 1
-                findings.append(Finding(m.items[key_index].key, "error", msg))
-            continue
-        done += sum(r.numel() * r.element_size() for r in refs)
-        diffs = compare_each(
-            [w.actual for w in works],
-            refs,
-            boxes=[w.box for w in works],
-            settings=[(*w.tol, w.fingerprint) for w in works],
-            equal_nan=equal_nan,
-        )
-        for w, d in zip(works, diffs):
-            stats[w.key_index].add(d, w.box)
-        del refs
-    return done
 
 
 def _check_param_groups(source: Source, groups: list[matching.GroupPair]) -> list[Finding]:

@@ -174,5 +174,8 @@ def test_cuda_verify_fingerprint_and_load_in_one_process(tmp_path):
         m[0].weight[2, 1] += 1
     (f,) = fsdpcheck.verify(m, tmp_path / "ck", optimizer=opt).findings
     assert f.key == "0.weight" and f.max_abs_index == (2, 1)
+    # Many small batches: pinned host buffers, copies on the side stream, two in flight.
+    (f,) = fsdpcheck.verify(m, tmp_path / "ck", optimizer=opt, memory_budget=64).findings
+    assert f.key == "0.weight" and f.max_abs_index == (2, 1) and f.mismatched == 1
     m2 = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).cuda()
     assert fsdpcheck.load(m2, tmp_path / "ck").ok

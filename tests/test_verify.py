@@ -242,3 +242,29 @@ def test_out_of_memory_while_reading_is_a_finding():
     r = fsdpcheck.verify(m, Exhausted(m.state_dict()))
     assert {f.kind for f in r.findings} == {"error"}
     assert len(r.findings) == 4 and "out of memory" in r.findings[0].message
+
+
+def test_a_failed_read_is_a_finding_and_the_batches_after_it_are_compared(tmp_path):
+    from fsdpcheck.sources.dcp import DCPSource
+
+    m, _ = small_model()
+    ref = {k: v.clone() for k, v in m.state_dict().items()}
+    ref["2.weight"][1, 2] += 1.0  # in a batch read after the one that fails
+    dcp.save(ref, checkpoint_id=tmp_path)
+
+    class Flaky(DCPSource):
+        def read(self, regions, device, out=None):
+            if any(r.key == "0.bias" for r in regions):
+                raise OSError(5, "Input/output error")
+            return super().read(regions, device, out)
+
+    # 16-byte batches: several batches per key, read ahead of the one compared.
+    r = fsdpcheck.verify(m, Flaky(tmp_path), memory_budget=32)
+    assert not r.ok
+    assert sorted(kinds(r)) == [("0.bias", "error"), ("2.weight", "value")], r.findings
+    err = next(f for f in r.findings if f.kind == "error")
+    assert "reading the reference failed" in err.message and "Input/output" in err.message
+    val = next(f for f in r.findings if f.kind == "value")
+    assert val.max_abs_index == (1, 2) and val.mismatched == 1
+    # The same reference without the failing reads: only the planted value.
+    assert kinds(fsdpcheck.verify(m, tmp_path, memory_budget=32)) == [("2.weight", "value")]

@@ -165,6 +165,10 @@ class Source(ABC):
     description: str = ""
     #: Whether tensors are stored as chunks (DCP): then `chunks` lists them.
     is_sharded: bool = False
+    #: Whether the tensors are already in memory (on any device): reads are views or device
+    #: copies, with nothing to read ahead, and staging them through host buffers would only
+    #: add copies.
+    in_memory: bool = False
 
     @abstractmethod
     def entries(self) -> dict[str, Entry]:

@@ -14,6 +14,7 @@ class MemorySource(Source):
     """Full tensors on any device; boxes are views, copied only when on another device."""
 
     kind = "memory"
+    in_memory = True
 
     def __init__(self, obj: Mapping[str, Any] | torch.nn.Module) -> None:
         self._requires_grad: dict[str, bool] = {}

@@ -18,6 +18,7 @@ class MergedSource(Source):
         self.kind = "+".join(s.kind for s in self.sources)
         self.description = description or " + ".join(s.description for s in self.sources)
         self.is_sharded = any(s.is_sharded for s in self.sources)
+        self.in_memory = any(s.in_memory for s in self.sources)
         self._owner: dict[str, Source] = {}
         self._entries: dict[str, Entry] = {}
         for s in self.sources:

@@ -19,7 +19,7 @@ the next batch), and a host arena only after its copy to the device finished.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,7 +64,7 @@ class Prefetcher:
 
     def run(
         self, batches: Iterable[tuple[Any, Sequence[Part]]]
-    ) -> Iterator[tuple[Any, list[list[torch.Tensor]]]]:
+    ) -> Generator[tuple[Any, list[list[torch.Tensor]]], None, None]:
         """Yields ``(tag, tensors per part)`` for each ``(tag, parts)``, in order.
 
         The tensors of a batch are valid until the next one is asked for. An error while
