@@ -12,7 +12,8 @@ in a fresh process and each the median of ``--reps`` rounds (a round runs every 
     against the DCP directory.
 
 Reported per command: whole-process wall time, the time of the work alone (measured inside the
-process after its imports), GB/s of the bytes it must read, ratio to ``cat`` and to the naive
+process after its imports; for a command line, its whole process minus ``fsdpcheck info`` in the
+same round), GB/s of the bytes it must read, ratio to ``cat`` and to the naive
 script, and the process's peak RSS. Warm runs read through a page cache filled by reading the
 files once (after evicting them); ``--cold`` also evicts the files with
 ``posix_fadvise(DONTNEED)`` before each run (no root needed; pages still mapped elsewhere may
@@ -281,8 +282,19 @@ def measure(
                 if mode == "cold":
                     _evict(files)
                 runs[name].append(_run(argv))
+        if mode == "warm":
+            startup = [w for w, _, _, _ in runs["startup: fsdpcheck info"]]
         for name, _, nbytes, _, kind in todo:
             works = [k for _, k, _, _ in runs[name] if k is not None]
+            if name.startswith("fsdpcheck "):
+                # The work of a command: its whole process minus the start-up row of the same
+                # round (warm; the rounds' start-ups otherwise), a difference per round, so that
+                # one slow start-up does not move every command-line row.
+                walls = [w for w, _, _, _ in runs[name]]
+                if mode == "warm":
+                    works = [w - s0 for w, s0 in zip(walls, startup)]
+                else:
+                    works = [w - statistics.median(startup) for w in walls]
             results.append(
                 {
                     "mode": mode,
@@ -316,12 +328,7 @@ def table(results: list[dict[str, Any]]) -> str:
             if r["mode"] != mode:
                 continue
             name = r["name"]
-            if name.startswith("fsdpcheck "):
-                work = r["wall"] - start
-            elif r["work"] is not None:
-                work = r["work"]
-            else:
-                work = r["wall"]
+            work = r["work"] if r["work"] is not None else r["wall"]
             gbs = r["bytes"] / work / 1e9 if r["bytes"] and work > 0 else float("nan")
             k = r["kind"]
             xc = f"{work / cat[k]['wall']:.2f}" if k else ""
