@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from fsdpcheck.box import Box, ravel
-from fsdpcheck.kernels import TensorDiff
+from fsdpcheck.kernels import MASK64, TensorDiff
 from fsdpcheck.manifest import ManifestError
 from fsdpcheck.report import describe_error
 from fsdpcheck.sources.base import CheckpointError, CoverageError
 
 INT64_MAX = (1 << 63) - 1
-MASK64 = (1 << 64) - 1  # Fingerprint v1 arithmetic is modulo 2**64
 # Columns of the summed counts.
 COUNTS = ("numel", "mismatched", "nan_a", "nan_e", "inf_a", "inf_e", "zeros", "errors", "holders")
 

@@ -42,7 +42,8 @@ SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
         torch.bool,
     }
 )
-_MASK64 = (1 << 64) - 1
+#: Fingerprint v1 arithmetic is modulo 2**64.
+MASK64 = (1 << 64) - 1
 # Columns of an operator row, bound once from ops.COLUMNS (the one definition in Python).
 _MISMATCHED, _NAN_A, _NAN_E = (ops.COLUMNS[c] for c in ("mismatched", "nan_actual", "nan_expected"))
 _INF_A, _INF_E, _ZEROS = (ops.COLUMNS[c] for c in ("inf_actual", "inf_expected", "zeros"))
@@ -223,7 +224,7 @@ def fingerprint_tensors(
         with torch.no_grad():
             values = ops.fingerprint_rows(group, shapes, offsets)
         for i, v in zip(idx, values.tolist()):
-            out[i] = v & _MASK64
+            out[i] = v & MASK64
     return out
 
 
@@ -409,8 +410,8 @@ def _to_diff(
         unravel(abs_i, shape) if abs_i >= 0 else None,
         floats[_REL_DIFF] if rel_i >= 0 else 0.0,
         unravel(rel_i, shape) if rel_i >= 0 else None,
-        words[_FP_A] & _MASK64 if fingerprints else None,
-        words[_FP_E] & _MASK64 if fingerprints else None,
+        words[_FP_A] & MASK64 if fingerprints else None,
+        words[_FP_E] & MASK64 if fingerprints else None,
         floats[_SUM] if stats else None,
         floats[_SUMSQ] if stats else None,
         words[_ZEROS] if stats else None,

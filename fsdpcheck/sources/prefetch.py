@@ -6,8 +6,10 @@ two batches in flight: while the caller's kernel runs on batch k, worker threads
 (byte-range reads into the other of two page-aligned host arenas, page faults of mapped files
 taken there instead of in the kernel; the parts of one batch, e.g. the two checkpoints of a
 compare, are read in parallel). Batch k+2 reuses batch k's arena, so it is only started once
-the caller has asked for the next batch: a batch's tensors are valid until then. Each batch
-should hold at most half the memory budget.
+the caller has asked for the next batch: a batch's tensors are valid until then (when reads
+fall behind, batches k+1 and k+2 are read at once). Batch 1 is started once batch 0 is in, so
+that the first read, which nothing overlaps, has the readers to itself. Each batch should hold
+at most half the memory budget.
 
 With a CUDA device the host arenas are page-locked and each batch is copied to one of two
 device arenas on a side stream; the caller's stream waits for that copy (an event), not the
@@ -76,17 +78,22 @@ class Prefetcher:
             collections.deque()
         )
         it = iter(batches)
-        slot = 0
         try:
-            for _ in range(2):
-                nxt = next(it, None)
-                if nxt is None:
-                    break
-                pending.append(self._submit(pool, nxt, slot))
-                slot ^= 1
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(self._submit(pool, nxt, 0))
+            second = True
             while pending:
                 tag, s, futures = pending.popleft()
                 parts = [f.result() for f in futures]
+                if second:
+                    # The second batch starts once the first is in, not with it: the first has
+                    # the readers (and, on few cores, the CPU) to itself, and the caller's
+                    # first kernel then overlaps the second read.
+                    second = False
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        pending.append(self._submit(pool, nxt, 1))
                 if self._stage is not None:
                     parts = self._stage.to_device(parts, s)
                 yield tag, parts
