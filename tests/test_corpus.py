@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +28,23 @@ SAME_NAMES = ("transformers", "torchtitan", "accelerate", "dcp", "lightning")
 
 
 def _torchrun(module: str, *args: str, timeout: float = 180) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's
+    # Python stack, which the failure message below then shows.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--standalone", "-m", module, *args]  # --standalone: a free port of its own
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{module} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        # torchrun's own report fills the tail; what the failing rank printed comes before it.
+        # The first lines that name an error (a rank's own come first), then the tail.
+        said = [ln for ln in proc.stderr.splitlines() if _RANK_ERROR.search(ln)]
+        raise RuntimeError(
+            f"{module} failed ({proc.returncode}):\n" + "\n".join(said[:40])
+            + f"\n--- last lines ---\n{proc.stderr[-4000:]}"
+        )  # fmt: skip
+
+
+_RANK_ERROR = re.compile(r"Error|Exception|terminate|Traceback|File \"|assert|Abort|Fatal")
 
 
 @pytest.fixture(scope="module")
