@@ -362,7 +362,10 @@ def _compare_values(
                     held[dev] += nbytes
     done = 0
     for device, todo in batches.items():
-        run = _direct if p.source.in_memory else _prefetched
+        # The read-ahead stages through host memory (pinned for a GPU): for a reference already
+        # in memory, or shards on another kind of device, each batch is read straight there.
+        ahead = not p.source.in_memory and device.type in ("cpu", "cuda")
+        run = _prefetched if ahead else _direct
         for works, refs in run(p.source, device, todo, stats, findings, p.match):
             done += sum(r.numel() * r.element_size() for r in refs)
             diffs = compare_each(
