@@ -281,7 +281,12 @@ def _prefix(src: Path | None) -> str:
 
 
 def measure(
-    paths: dict[str, Path], reps: int, cold: bool, src: Path | None = None, device: str = "cpu"
+    paths: dict[str, Path],
+    reps: int,
+    cold: bool,
+    src: Path | None = None,
+    device: str = "cpu",
+    settle: float = 1.0,
 ) -> list[dict[str, Any]]:
     a, b, d = str(paths["a"]), str(paths["b"]), str(paths["dcp"])
     pre = _prefix(src)
@@ -325,6 +330,10 @@ def measure(
         runs: dict[str, list[tuple[float, float | None, int, str]]] = {r[0]: [] for r in todo}
         for _ in range(reps):
             for name, argv, _, files, _ in todo:
+                # The kernel keeps working for a while after a process that held gigabytes
+                # exits (seen here: the run right after `dcp.load` took 0.2-0.4 s longer
+                # unless it waited 1 s), so each run waits first.
+                time.sleep(settle)
                 if mode == "cold":
                     _evict(files)
                 runs[name].append(_run(argv))
@@ -395,6 +404,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="build (or reuse) the data here")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--device", default="cpu", help="where compare runs (cpu or cuda)")
+    ap.add_argument(
+        "--settle", type=float, default=1.0, help="seconds to wait before each timed run (1)"
+    )
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument(
         "--src",
@@ -428,7 +440,7 @@ def main() -> None:
         pkg = (args.src or Path(__file__).resolve().parents[1]) / "fsdpcheck"
         subprocess.run([PY, "-m", "compileall", "-q", str(pkg)], check=True)
         print(f"# load before: {os.getloadavg()}", file=sys.stderr)
-        results = measure(paths, args.reps, args.cold, args.src, args.device)
+        results = measure(paths, args.reps, args.cold, args.src, args.device, args.settle)
         print(f"# load after: {os.getloadavg()}", file=sys.stderr)
         print(table(results))
         if args.json:

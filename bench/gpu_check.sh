@@ -43,7 +43,7 @@ timeout 90 python bench/bench_watch.py --device cuda --ranks 2 --layout ddp \
   --json "$OUT/watch.json" > "$OUT/watch.log" 2>&1
 watch_rc=$?
 tail -4 "$OUT/watch.log"
-timeout 240 python bench/bench_offline.py --device cuda --size 512M --reps 1 \
+timeout 240 python bench/bench_offline.py --device cuda --size 512M --reps 1 --settle 0.2 \
   --json "$OUT/offline.json" > "$OUT/offline.log" 2>&1
 offline_rc=$?
 tail -14 "$OUT/offline.log"

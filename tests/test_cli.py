@@ -161,3 +161,19 @@ def test_python_dash_m_works(ckpts):
         [sys.executable, "-m", "fsdpcheck", "--help"], capture_output=True, text=True
     )
     assert "Examples:" in help_out.stdout and help_out.returncode == 0
+    # A finding: exit code 1 and the whole report, through the exit that skips teardown.
+    found = subprocess.run(
+        [sys.executable, "-m", "fsdpcheck", "compare", str(ckpts / "bad.safetensors"),
+         str(ckpts / "good.safetensors"), "--json"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    report = json.loads(found.stdout)
+    assert found.returncode == 1 and report["findings"][0]["max_abs_index"] == [2, 3]
+    # Bad usage: 2, with the one-line error on stderr.
+    bad = subprocess.run(
+        [sys.executable, "-m", "fsdpcheck", "inspect", str(ckpts / "nope")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
