@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,12 +361,16 @@ def _compare_values(
                     mine[-1].append(w)
                     held[dev] += nbytes
     done = 0
+
+    def failed(works: list[_Work], exc: BaseException) -> None:
+        _read_failed(works, exc, stats, findings, p.match)
+
     for device, todo in batches.items():
         # The read-ahead stages through host memory (pinned for a GPU): for a reference already
         # in memory, or shards on another kind of device, each batch is read straight there.
         ahead = not p.source.in_memory and device.type in ("cpu", "cuda")
         run = _prefetched if ahead else _direct
-        for works, refs in run(p.source, device, todo, stats, findings, p.match):
+        for works, refs in run(p.source, device, todo, failed):
             done += sum(r.numel() * r.element_size() for r in refs)
             diffs = compare_each(
                 [w.actual for w in works],
@@ -383,15 +387,12 @@ def _compare_values(
 
 #: Batches of pieces with the reference regions read for them.
 _Reads = Iterator[tuple[list[_Work], list[torch.Tensor]]]
+#: Told of a batch whose read failed (it becomes findings); the reads go on with the next.
+_Failed = Callable[[list[_Work], BaseException], None]
 
 
 def _direct(
-    source: Source,
-    device: torch.device,
-    batches: list[list[_Work]],
-    stats: list[KeyStats],
-    findings: list[Finding],
-    m: matching.LiveMatch,
+    source: Source, device: torch.device, batches: list[list[_Work]], failed: _Failed
 ) -> _Reads:
     """Reads of a reference in memory: views where it lies, else copies into one arena."""
     arena = Arena()
@@ -400,18 +401,13 @@ def _direct(
             out = arena.carve(device, [(w.region.size, w.ref_dtype) for w in works])
             refs = source.read([w.region for w in works], device, out)
         except Exception as exc:  # unreadable file, out of memory: a finding, not a hang
-            _read_failed(works, exc, stats, findings, m)
+            failed(works, exc)
             continue
         yield works, refs
 
 
 def _prefetched(
-    source: Source,
-    device: torch.device,
-    batches: list[list[_Work]],
-    stats: list[KeyStats],
-    findings: list[Finding],
-    m: matching.LiveMatch,
+    source: Source, device: torch.device, batches: list[list[_Work]], failed: _Failed
 ) -> _Reads:
     """Reads of a reference on disk: the next batch is read while this one is compared.
 
@@ -425,16 +421,14 @@ def _prefetched(
         reads = Prefetcher(device).run(plan)
         at = start  # the batch the next result belongs to
         try:
-            while True:
-                try:
-                    k, (refs,) = next(reads)
-                except StopIteration:
-                    return
-                except Exception as exc:  # unreadable file, out of memory: a finding
-                    _read_failed(batches[at], exc, stats, findings, m)
-                    break
+            # Only reading raises here: the caller's work on a batch happens outside this
+            # generator (and closing it is GeneratorExit, not an Exception).
+            for k, (refs,) in reads:
                 yield batches[k], refs
                 at = k + 1
+            return
+        except Exception as exc:  # unreadable file, out of memory: a finding, not a hang
+            failed(batches[at], exc)
         finally:
             reads.close()  # the reads in flight stop before the arenas go
         start = at + 1
