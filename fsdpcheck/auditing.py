@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
-from fsdpcheck.formats import describe_path, is_dcp_dir
+from fsdpcheck.formats import KeyGrammar, describe_path, grammar_of, is_dcp_dir
+from fsdpcheck.keys import CheckpointKeys, checkpoint_keys, keys_from_entries
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.matching import CheckpointKeys, checkpoint_keys, optim_key
+from fsdpcheck.names import optim_key
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import open_path
 from fsdpcheck.sources.base import Entry
@@ -59,7 +60,7 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
         prefix = "" if len(info.parts) == 1 else part.name + "/"
         try:
             if is_dcp_dir(part):
-                checked += _audit_dcp(part, findings, notes, deep, prefix)
+                checked += _audit_dcp(part, findings, notes, deep, prefix, grammar_of(info.layout))
             else:
                 checked += _audit_file(part, findings, prefix, info.layout)
         except Exception as exc:  # a checkpoint too broken to read is a finding about it
@@ -73,7 +74,14 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
     )
 
 
-def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, prefix: str) -> int:
+def _audit_dcp(
+    p: Path,
+    findings: list[Finding],
+    notes: list[str],
+    deep: bool,
+    prefix: str,
+    grammar: KeyGrammar,
+) -> int:
     # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata).
     from fsdpcheck.sources.dcp_metadata import (
         check_storage,
@@ -91,7 +99,7 @@ def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, p
         key: Entry(key, paths[key], is_tensor=is_tensor_meta(meta))
         for key, meta in md.state_dict_metadata.items()
     }
-    _audit_optimizer(checkpoint_keys(entries), findings, prefix)
+    _audit_optimizer(keys_from_entries(entries, grammar=grammar), findings, prefix)
     try:
         _audit_manifest(p, md, findings, notes, deep, prefix)
     except Exception as exc:  # a malformed manifest is a finding about the manifest
@@ -186,7 +194,7 @@ def _audit_file(p: Path, findings: list[Finding], prefix: str, layout: str) -> i
     try:
         for key, kind, message in source.problems():
             findings.append(Finding(prefix + key, kind, message))
-        keys = checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        keys = checkpoint_keys(source)
         _audit_optimizer(keys, findings, prefix)
         if layout == "deepspeed":
             for r in keys.model.values():

@@ -23,6 +23,7 @@ from fsdpcheck.box import Box
 from fsdpcheck.collectives import KeyStats
 from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
+from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Entry, Region, Source, open_source
@@ -39,6 +40,8 @@ def compare_checkpoints(
     rtol: float | None = None,
     atol: float | None = None,
     equal_nan: bool = True,
+    check_dtype: bool = True,
+    key_map: matching.KeyMap | None = None,
     ignore: Sequence[str] | None = None,
     device: str | torch.device | None = None,
     memory_budget: int = 1 << 30,
@@ -52,6 +55,12 @@ def compare_checkpoints(
         rtol: Relative tolerance (None: exact, or dtype defaults when the dtypes differ).
         atol: Absolute tolerance (likewise).
         equal_nan: Whether NaN matches NaN.
+        check_dtype: Whether a dtype difference is a finding. With False (a conversion to
+            another dtype), differing dtypes are a note and the values are compared with the
+            tolerances (torch.testing's defaults for the less precise dtype when none is given;
+            the report says which were used).
+        key_map: Actual's name -> expected's key or name (None: not compared), or prefix rules
+            (``matching.prefix_rules(["model.="])``; the CLI's ``--key-map OLD=NEW``).
         ignore: fnmatch patterns of names (or either side's keys) to exclude, e.g. ``optim.*``
             to compare a training checkpoint with a model-only conversion.
         device: Where to compare (default: the GPU when there is one, else the CPU).
@@ -64,6 +73,8 @@ def compare_checkpoints(
     """
     if not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
+    if (rtol is not None and rtol < 0) or (atol is not None and atol < 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     t0 = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sa = open_source(actual)
@@ -74,10 +85,8 @@ def compare_checkpoints(
         raise
     try:
         infos = (_describe(actual), _describe(expected))
-        zero3 = (_zero3(infos[0]), _zero3(infos[1]))
-        report = _compare(
-            sa, sb, zero3, rtol, atol, equal_nan, ignore, dev, memory_budget, progress, t0
-        )
+        settings = _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore)
+        report = _compare(sa, sb, settings, dev, memory_budget, progress, t0)
         for side, info in zip(("actual", "expected"), infos):
             report.notes += [f"{side}: {n}" for n in (info.notes if info else [])]
         return report
@@ -86,67 +95,55 @@ def compare_checkpoints(
         sb.close()
 
 
+@dataclass(frozen=True)
+class _Settings:
+    rtol: float | None
+    atol: float | None
+    equal_nan: bool
+    check_dtype: bool
+    key_map: matching.KeyMap | None
+    ignore: Sequence[str] | None
+
+
 def _compare(
     sa: Source,
     sb: Source,
-    zero3: tuple[bool, bool],
-    rtol: float | None,
-    atol: float | None,
-    equal_nan: bool,
-    ignore: Sequence[str] | None,
+    s: _Settings,
     dev: torch.device,
     budget: int,
     progress: Progress | None,
     t0: float,
 ) -> Report:
-    ka = matching.checkpoint_keys(sa.entries(), flat=sa.kind == "safetensors")
-    kb = matching.checkpoint_keys(sb.entries(), flat=sb.kind == "safetensors")
-    notes = _resolve_ids(sa, ka, sb, kb)
-    for side, keys in (("actual", ka), ("expected", kb)):
-        note = matching.non_tensor_note(keys, side)
-        if note:
-            notes.append(note)
-    m = matching.match_checkpoints(ka, kb, ignore)
-    report = Report(
-        reference=sb.description, world_size=1, notes=notes, side_a="actual", side_b="expected"
+    ka = checkpoint_keys(sa)
+    kb = checkpoint_keys(sb)
+    m = matching.match_checkpoints(
+        ka, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map, ignore=s.ignore
     )
+    report = Report(
+        reference=sb.description, world_size=1, notes=list(m.notes), side_a="actual",
+        side_b="expected",
+    )  # fmt: skip
     report.keys_a, report.keys_b = len(ka.tensors()), len(kb.tensors())
-    findings: list[Finding] = []
-    for r in m.only_a:
-        findings.append(
-            Finding(
-                r.name, "unexpected", f"in actual ({r.key}) but not in expected" + _optim_hint(r)
-            )
-        )
-    for r in m.only_b:
-        findings.append(
-            Finding(r.name, "missing", f"in expected ({r.key}) but not in actual" + _optim_hint(r))
-        )
+    findings: list[Finding] = list(m.findings)
     bad = _problem_keys(sa, ka, "actual", findings) | _problem_keys(sb, kb, "expected", findings)
-    rows = m.rows()
+    rows = m.rows
     status = {r.a: r for r in rows if r.status == "compared"}
-    total = sum(_nbytes(a.entry) + _nbytes(b.entry) for _, a, b in m.pairs)
     # Every pair's row blocks, then batches of blocks: one kernel call per batch (per
     # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
     # Two batches are in flight, so each holds at most half the budget (both sides).
     step = batch_bytes(budget)
     compared: list[tuple[str, Entry, Entry, tuple[float, float]]] = []
     blocks: list[_Block] = []
+    converted: dict[tuple[str, str, float, float], int] = {}
     for name, a, b in m.pairs:
         ea, eb = a.entry, b.entry
         if name in bad:
             _skip(status, name, "storage problem")
             continue
-        if _placeholder(zero3[0], a) or _placeholder(zero3[1], b):
-            findings.append(
-                Finding(
-                    name,
-                    "skipped",
-                    "a DeepSpeed ZeRO-3 placeholder (0 elements; the values live in the ZeRO "
-                    "optimizer partitions): consolidate with zero_to_fp32.py and compare that",
-                )
-            )
-            _skip(status, name, "ZeRO-3 placeholder")
+        held = ka.placeholders.get(a.key) or kb.placeholders.get(b.key)
+        if held is not None:
+            findings.append(Finding(name, "skipped", held))
+            _skip(status, name, "a placeholder")
             continue
         if ea.shape != eb.shape:
             findings.append(Finding(name, "shape", f"{ea.shape} in actual, {eb.shape} in expected"))
@@ -158,9 +155,14 @@ def _compare(
             _skip(status, name, "unsupported dtype")
             continue
         assert ea.dtype is not None and eb.dtype is not None
+        tol = tolerance(ea.dtype, eb.dtype, s.rtol, s.atol)
         if ea.dtype != eb.dtype:
-            findings.append(Finding(name, "dtype", f"{ea.dtype} in actual, {eb.dtype} in expected"))
-        tol = tolerance(ea.dtype, eb.dtype, rtol, atol)
+            if s.check_dtype:
+                findings.append(
+                    Finding(name, "dtype", f"{ea.dtype} in actual, {eb.dtype} in expected")
+                )
+            what = (_dtype_name(ea.dtype), _dtype_name(eb.dtype), *tol)
+            converted[what] = converted.get(what, 0) + 1
         i = len(compared)
         compared.append((name, ea, eb, tol))
         both = ea.dtype.itemsize + eb.dtype.itemsize
@@ -174,6 +176,19 @@ def _compare(
                     math.prod(size) * both,
                 )
             )
+    for (da, db, rt, at), n in sorted(converted.items()):
+        given = s.rtol is not None or s.atol is not None
+        how = "the tolerances given" if given else "torch.testing's defaults for the less precise"
+        report.notes.append(
+            f"{n} tensor(s) {da} in actual, {db} in expected: values compared with rtol={rt}, "
+            f"atol={at} ({how})"
+            + (
+                ""
+                if s.check_dtype
+                else "; the dtype difference is not a finding (check_dtype=False)"
+            )
+        )
+    total = sum(w.nbytes for w in blocks)
     stats = [KeyStats() for _ in compared]
     done = 0
     plan = (
@@ -183,7 +198,7 @@ def _compare(
     for batch, (xa, xb) in Prefetcher(dev).run(plan):
         settings = [(*compared[w.pair][3], False) for w in batch]
         boxes = [w.box for w in batch]
-        diffs = compare_each(xa, xb, boxes=boxes, settings=settings, equal_nan=equal_nan)
+        diffs = compare_each(xa, xb, boxes=boxes, settings=settings, equal_nan=s.equal_nan)
         for w, d in zip(batch, diffs):
             stats[w.pair].add(d, w.box)
         done += sum(w.nbytes for w in batch)
@@ -204,6 +219,10 @@ def _compare(
     return report
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class _Block:
     """A row block of one compared pair: its region on each side and its global box."""
@@ -219,33 +238,10 @@ def _describe(reference: Any) -> CheckpointInfo | None:
     return describe_path(reference) if isinstance(reference, (str, os.PathLike)) else None
 
 
-def _zero3(info: CheckpointInfo | None) -> bool:
-    """DeepSpeed ZeRO-3: its model-state files hold a (0,) stand-in per partitioned parameter."""
-    return (
-        info is not None
-        and info.layout == "deepspeed"
-        and (info.parts[0].name.startswith("zero_pp_rank_"))
-    )
-
-
-def _placeholder(zero3: bool, key: matching.CkptKey) -> bool:
-    shape = key.entry.shape
-    return zero3 and key.role == "model" and len(shape) > 0 and math.prod(shape) == 0
-
-
 def _skip(status: dict[str | None, MappingRow], name: str, reason: str) -> None:
     row = status.get(name)
     if row is not None:
         row.status, row.reason = "skipped", reason
-
-
-def _optim_hint(r: matching.CkptKey) -> str:
-    if r.role in ("state", "group"):
-        return (
-            " (the other side holds no such optimizer state; --ignore 'optim.*' compares the "
-            "model alone)"
-        )
-    return ""
 
 
 def _problem_keys(
@@ -259,60 +255,6 @@ def _problem_keys(
         findings.append(Finding(name, kind if kind == "gap" else "error", f"{side}: {message}"))
         bad.add(name)
     return bad
-
-
-def _resolve_ids(
-    sa: Source, ka: matching.CheckpointKeys, sb: Source, kb: matching.CheckpointKeys
-) -> list[str]:
-    """Renames integer-id optimizer state on one side to the other side's FQNs.
-
-    A raw ``optimizer.state_dict()`` keys state by position in param_groups; a
-    ``get_optimizer_state_dict`` save keys it by FQN, with the same order in its param_groups.
-    """
-    notes: list[str] = []
-    for (s_id, k_id), (s_fqn, k_fqn) in (((sa, ka), (sb, kb)), ((sb, kb), (sa, ka))):
-        if not k_id.id_keyed or k_fqn.id_keyed or not k_fqn.state:
-            continue
-        ids, fqns = _group_params(s_id, k_id), _group_params(s_fqn, k_fqn)
-        if ids is None or fqns is None or len(ids) != len(fqns):
-            notes.append(
-                f"{s_id.description}: optimizer state keyed by integer ids, which "
-                "cannot be paired with the other side's parameter names"
-            )
-            continue
-        mapping = dict(zip(ids, fqns))
-        _rename_state(k_id, mapping)
-        notes.append(
-            f"{s_id.description}: optimizer state keyed by integer ids, mapped to the "
-            "other side's parameter names in param_groups order"
-        )
-    return notes
-
-
-def _group_params(source: Source, keys: matching.CheckpointKeys) -> list[str] | None:
-    if keys.groups_by_fqn:
-        return None
-    params = {g: hp["params"].key for g, hp in keys.groups.items() if "params" in hp}
-    if not params:
-        return None
-    saved = source.read_objects(list(params.values()))
-    canon = matching.canonicalizer(keys.model) if keys.model else (lambda n: n)
-    return [
-        canon(str(p)) for g in sorted(params, key=lambda g: (len(g), g)) for p in saved[params[g]]
-    ]
-
-
-def _rename_state(keys: matching.CheckpointKeys, mapping: dict[str, str]) -> None:
-    renamed = {}
-    for (who, item), r in keys.state.items():
-        fqn = mapping.get(who, who)
-        new = matching.CkptKey(
-            r.entry, "state", matching.optim_key(fqn, item), fqn, item, r.optimizer
-        )
-        renamed[(fqn, item)] = new
-        keys.rows[keys.rows.index(r)] = new
-    keys.state = renamed
-    keys.id_keyed = False
 
 
 def _nbytes(e: Any) -> int:

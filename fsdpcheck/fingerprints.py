@@ -20,6 +20,7 @@ import torch
 from fsdpcheck import matching
 from fsdpcheck.box import Box, ravel
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
+from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.readplan import batches, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
@@ -255,7 +256,7 @@ def checkpoint_fingerprints(
     source = open_source(path)
     try:
         refuse_problems(source, source.description, "fingerprint it")
-        keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        keys = checkpoint_keys(source)
         names: dict[str, str] = {}
         notes: list[str] = []
         other = []
@@ -323,7 +324,7 @@ def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict
 
 def checkpoint_key_names(source: Source) -> dict[str, str]:
     """Checkpoint key -> the canonical name ``fingerprint`` gives the same tensor."""
-    keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+    keys = checkpoint_keys(source)
     return {r.key: r.name for r in keys.tensors() if r.role != "other"}
 
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck import matching
 from fsdpcheck.formats import describe_path
+from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.sources import open_source
 from fsdpcheck.sources.tiling import tiling_problems
@@ -28,7 +28,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     info = describe_path(path)
     source = open_source(Path(path))
     try:
-        keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        keys = checkpoint_keys(source)
         tensors = []
         for r in sorted(keys.tensors(), key=lambda r: r.key):
             e = r.entry

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck import matching
+from fsdpcheck import names
 
 __all__ = ["LiveState", "flat_live", "inner_optimizers", "live_state", "model_canonicalizer"]
 
@@ -32,6 +32,9 @@ class LiveState:
         optim_state: FQN -> state name -> value, or None without an optimizer.
         param_groups: Each group's hyperparameters, ``params`` as a list of FQNs.
         problems: (key, kind, message) found while reading (an optimizer without state).
+        buffers: Canonical FQN -> non-persistent buffer (not in the state dict: compared when a
+            checkpoint holds it, not required when it does not).
+        adapters: Names of the PEFT adapters of the model (``peft_config``), if any.
     """
 
     model: dict[str, Any] = field(default_factory=dict)
@@ -40,6 +43,8 @@ class LiveState:
     optim_state: dict[str, dict[str, Any]] | None = None
     param_groups: list[dict[str, Any]] | None = None
     problems: list[tuple[str, str, str]] = field(default_factory=list)
+    buffers: dict[str, Any] = field(default_factory=dict)
+    adapters: tuple[str, ...] = ()
 
     def tensors(self, *, dedupe_tied: bool = False) -> dict[str, Any]:
         """Every live tensor by canonical name: model FQNs and ``optim.state.<fqn>.<name>``."""
@@ -47,11 +52,13 @@ class LiveState:
         for fqn, states in (self.optim_state or {}).items():
             for name, value in states.items():
                 if isinstance(value, torch.Tensor):
-                    out[matching.optim_key(fqn, name)] = value
+                    out[names.optim_key(fqn, name)] = value
         return out
 
 
-def live_state(model: Any, optimizer: Any = None) -> LiveState:
+def live_state(
+    model: Any, optimizer: Any = None, *, model_state: Mapping[str, Any] | None = None
+) -> LiveState:
     """Reads a model (nn.Module or state dict) and optimizer under canonical names.
 
     Args:
@@ -60,6 +67,8 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
         optimizer: A torch optimizer or a wrapper of one or several (torchtitan
             OptimizersContainer, Lightning/Fabric optimizers, accelerate AcceleratedOptimizer),
             or an FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``).
+        model_state: The module's state dict when the caller already has it (``load`` loads
+            into that one); default ``get_model_state_dict(model)``.
 
     Returns:
         The LiveState. Reading changes nothing.
@@ -69,9 +78,12 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
     if isinstance(model, torch.nn.Module):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        raw = {k: v for k, v in get_model_state_dict(model).items() if _is_tensor(v)}
+        sd = get_model_state_dict(model) if model_state is None else model_state
+        raw = {k: v for k, v in sd.items() if _is_tensor(v)}
         canon = model_canonicalizer(model)
         out.model = {canon(k): v for k, v in raw.items()}
+        out.buffers = _non_persistent(model, canon, out.model)
+        out.adapters = _adapter_names(model)
         first: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             fqn = canon(name)
@@ -93,7 +105,7 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
                 "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, opt))"
             )
         raw = {str(k): v for k, v in model.items() if _is_tensor(v)}
-        canon = matching.canonicalizer(raw)
+        canon = names.canonicalizer(raw)
         out.model = {canon(k): v for k, v in raw.items()}
         out.requires_grad = {
             canon(k): v.requires_grad for k, v in raw.items() if isinstance(v, torch.nn.Parameter)
@@ -102,6 +114,24 @@ def live_state(model: Any, optimizer: Any = None) -> LiveState:
             _state_dict_optimizer(out, optimizer, canon)
         return out
     raise TypeError(f"model must be an nn.Module or a state dict, not {type(model).__name__}")
+
+
+def _non_persistent(model: torch.nn.Module, canon: Any, saved: Mapping[str, Any]) -> dict:
+    """Buffers the state dict leaves out (``register_buffer(..., persistent=False)``)."""
+    out = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        fqn = canon(name)
+        if fqn not in saved and isinstance(b, torch.Tensor):
+            out[fqn] = b
+    return out
+
+
+def _adapter_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The PEFT adapters of a ``PeftModel`` (its ``peft_config`` dict), read without peft."""
+    config = getattr(model, "peft_config", None)
+    if isinstance(config, Mapping):
+        return tuple(str(k) for k in config)
+    return ()
 
 
 def _unwrap(model: Any) -> Any:
@@ -121,9 +151,9 @@ def _unwrap(model: Any) -> Any:
 def model_canonicalizer(model: torch.nn.Module) -> Any:
     """The canonicaliser of a module's names (parameters and buffers, wrappers included)."""
     model = _unwrap(model)
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    return matching.canonicalizer(names)
+    every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    every += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    return names.canonicalizer(every)
 
 
 def _is_tensor(v: Any) -> bool:
@@ -201,7 +231,7 @@ def _torch_optimizer_state(
         )
         return
     osd: Any = get_optimizer_state_dict(model, optimizers if len(optimizers) > 1 else optimizers[0])
-    canon = matching.canonicalizer(n for n, _ in model.named_parameters(remove_duplicate=False))
+    canon = names.canonicalizer(n for n, _ in model.named_parameters(remove_duplicate=False))
     _state_dict_optimizer(out, osd, canon)
 
 

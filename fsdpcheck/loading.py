@@ -19,11 +19,12 @@ from fsdpcheck import matching
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
-from fsdpcheck.live import inner_optimizers, model_canonicalizer
+from fsdpcheck.keys import checkpoint_keys
+from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer
 from fsdpcheck.manifest import Manifest, read_manifest
 from fsdpcheck.report import Report, normalized
 from fsdpcheck.sentinel import fill_sentinel, unwritten
-from fsdpcheck.sources import Region, Source, open_path, open_source, refuse_problems
+from fsdpcheck.sources import Region, Source, open_source, refuse_problems
 from fsdpcheck.sources.base import CheckpointError, one_line
 from fsdpcheck.verification import verify as verify_full
 
@@ -43,7 +44,6 @@ class _Plan:
 
     info: CheckpointInfo
     manifest: Manifest | None
-    parts: list[tuple[Path, matching.CheckpointKeys]]  # DCP directories (sharded loads)
 
 
 def load(
@@ -54,15 +54,19 @@ def load(
     verify: str | None = "fingerprint",
     expect: str | None = None,
     sentinel: bool = False,
+    key_map: matching.KeyMap | None = None,
     group: Any = None,
 ) -> Report:
     """Loads any supported checkpoint into a (sharded) model and optimizer, then checks it.
 
     Collective. What `path` is decides how it is loaded, so hand-written code cannot load a full
     checkpoint as if it were sharded or the reverse: a DCP directory (of any writer: fsdpcheck,
-    torchtitan, accelerate, Lightning, plain) is loaded with DCP into the sharded state, following
-    the checkpoint's own nesting and names; a full checkpoint (torch.save, safetensors) with
-    ``set_state_dict`` and ``full_state_dict=True``, each rank keeping its own shards.
+    torchtitan, accelerate, Lightning, plain) is loaded with DCP into the sharded state; a full
+    checkpoint (torch.save, safetensors) with ``set_state_dict`` and ``full_state_dict=True``,
+    each rank keeping its own shards. Either way every live tensor is paired with its
+    checkpoint entry by the same pairing ``verify`` uses (``fsdpcheck.matching``): the pair
+    verify accepts is the pair load loads, and what cannot be paired is a finding in the
+    returned report, never silently left as it was.
 
     Before anything is loaded, every rank checks the checkpoint's structure (files present and
     long enough, chunks tiling every tensor, the manifest valid and agreeing with the metadata)
@@ -74,7 +78,9 @@ def load(
     Args:
         model: The model to load into (FSDP2, TP, 2D, HSDP, DDP or plain).
         path: Any checkpoint ``fsdpcheck.describe_path`` recognises.
-        optimizer: The optimizer to load too (or a wrapper of several).
+        optimizer: The optimizer to load too (or a wrapper of several). An optimizer without
+            state gets it created first (torch's ``get_optimizer_state_dict``, at lr 0, so no
+            weight changes), then overwritten by the load.
         verify: "fingerprint" (the loaded shards against the manifest: one pass, one gather, no
             second read of the checkpoint; falls back to "full" without a manifest and says so),
             "full" (``fsdpcheck.verify`` against the files) or None.
@@ -82,6 +88,7 @@ def load(
             loaded (raises CheckpointKindError on every rank).
         sentinel: Fill every destination with a sentinel (a NaN payload, or the integer minimum)
             before loading, and report elements the load never wrote.
+        key_map: Live key -> checkpoint key or name, or prefix rules, as for ``verify``.
         group: The process group.
 
     Returns:
@@ -112,15 +119,22 @@ def load(
             f"checkpoint; nothing was loaded. {hint}"
         )
     marked = agree(comm, lambda: fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
-    if info.kind == "sharded":
-        for d, keys in plan.parts:  # DCP reports failures collectively
-            _load_dcp(model, optimizer, d, keys, group, comm)
-    else:
-        # Reading is local and may fail on one rank: agree on it before torch's collectives.
-        full, osd = agree(comm, lambda: _read_full(model, optimizer, info), f"reading {path}")
-        _apply_full(model, optimizer, full, osd)
+    work = agree(
+        comm, lambda: _pair(model, optimizer, info, key_map), f"pairing {path} with the model"
+    )
+    try:
+        if info.kind == "sharded":
+            _load_dcp(work, group, comm)
+        else:
+            # Reading is local and may fail on one rank: agree on it before torch's collectives.
+            full, osd = agree(comm, lambda: _read_full(work), f"reading {path}")
+            _apply_full(work, full, osd)
+    finally:
+        work.source.close()
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
+    notes += work.match.notes
     findings = unwritten(marked, comm) if sentinel else []
+    findings += work.match.findings
     report: Report
     manifest = plan.manifest
     if verify == "fingerprint" and manifest is None:
@@ -130,12 +144,14 @@ def load(
         assert manifest is not None
         report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
     elif verify == "full":
-        report = verify_full(model, path, optimizer=optimizer, group=group)
+        report = verify_full(model, path, optimizer=optimizer, key_map=key_map, group=group)
     else:
         report = Report(reference=str(path), world_size=comm.world)
         notes.append("not verified (verify=None)")
     report.findings = normalized(findings + report.findings)
-    report.notes = notes + report.notes
+    report.notes = notes + [n for n in report.notes if n not in notes]
+    if not report.mapping:
+        report.mapping = work.match.rows
     return report
 
 
@@ -143,24 +159,22 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
     """Recognises the checkpoint and checks its structure; raises on anything wrong."""
     info = describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
-    parts: list[tuple[Path, matching.CheckpointKeys]] = []
-    for part in info.parts:
-        source = open_path(part)
-        try:
-            refuse_problems(source, part, "load it (nothing was loaded)")
-            keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
-            if manifest is not None:
-                _manifest_agrees(manifest, source, keys, part)
-        finally:
-            source.close()
-        if is_dcp_dir(part):
-            parts.append((part, keys))
-    return _Plan(info, manifest, parts)
+    if info.kind == "sharded" and not all(is_dcp_dir(p) for p in info.parts):
+        raise CheckpointError(
+            f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
+            f"({', '.join(p.name for p in info.parts)}); fsdpcheck cannot load it as one"
+        )
+    source = open_source(info.path)
+    try:
+        refuse_problems(source, info.path, "load it (nothing was loaded)")
+        if manifest is not None:
+            _manifest_agrees(manifest, source, info.path)
+    finally:
+        source.close()
+    return _Plan(info, manifest)
 
 
-def _manifest_agrees(
-    manifest: Manifest, source: Source, keys: matching.CheckpointKeys, where: Path
-) -> None:
+def _manifest_agrees(manifest: Manifest, source: Source, where: Path) -> None:
     entries = source.entries()
     for name, e in manifest.entries.items():
         entry = entries.get(e.checkpoint_key)
@@ -175,84 +189,110 @@ def _manifest_agrees(
                 f"{where}: {name}: the manifest says {e.shape} {e.dtype}, the metadata "
                 f"{tuple(entry.shape)} {dtype}"
             )
-    del keys
 
 
-def _load_dcp(
-    model: Any, optimizer: Any, d: Path, keys: matching.CheckpointKeys, group: Any, comm: Comm
-) -> None:
-    """DCP loads into the sharded state, nested and named as the checkpoint has it.
+@dataclass
+class _Work:
+    """The live state dicts to load into, paired with the checkpoint (local, per rank)."""
 
-    Checkpoints nest the model and optimizer state under names of their writer's choosing
-    ({"model": ..., "optim": ...} from fsdpcheck.save, "optimizer" from accelerate, flattened
-    ``state.<fqn>.<name>`` from torchtitan, flat) and spell FQNs their way (``_forward_module.``
-    from Lightning): the state dict handed to DCP is built from the checkpoint's own keys, and
-    DCP copies into the live tensors in place.
+    info: CheckpointInfo
+    model: Any
+    optimizer: Any
+    source: Source
+    match: matching.LiveMatch
+    msd: dict[str, Any]
+    osd: Any  # torch's optimizer state dict (FQN-keyed), or None
+    raw: dict[str, str]  # canonical model name -> the model state dict's own key
+    raw_param: dict[str, str]  # canonical parameter -> the optimizer state dict's own key
+
+
+def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Work:
+    """The live state (optimizer state created if it has none) paired with the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    source = open_source(info.path)
+    try:
+        keys = checkpoint_keys(source)
+        msd = get_model_state_dict(model)
+        osd = None
+        opt: Any = None
+        if optimizer is not None and keys.state:
+            optimizers = inner_optimizers(optimizer)
+            opt = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
+            # Creates the state of an optimizer that has none (a step at lr 0: no weight
+            # changes); the load then overwrites it.
+            osd = get_optimizer_state_dict(model, opt)
+        live = live_state(model, osd, model_state=msd)
+        m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
+        canon = model_canonicalizer(model)
+        raw = {canon(k): k for k in msd}
+        raw_param = {canon(str(k)): str(k) for k in (osd or {}).get("state", {})}
+    except BaseException:
+        source.close()
+        raise
+    return _Work(info, model, opt, source, m, msd, osd, raw, raw_param)
+
+
+def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
+    """DCP loads into the live tensors in place, each into its paired checkpoint entry.
+
+    The state dict handed to DCP is built from the pairs: each live tensor (a model tensor from
+    ``get_model_state_dict``, an optimizer state tensor from ``get_optimizer_state_dict``) at
+    its checkpoint entry's own path, so the checkpoint's nesting and spelling (``model.``,
+    ``optimizer.state.<fqn>.<name>``, ``_forward_module.``, integer ids) never matter.
     """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     from fsdpcheck.sources.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 
-    state: dict[str, Any] = {}
-    canon = model_canonicalizer(model)
-    msd = None
-    if keys.model:
-        msd = get_model_state_dict(model)
-        for k, v in msd.items():
-            r = keys.model.get(canon(k))
-            if r is not None:
-                _put(state, r.entry.path, v)
-    osd: Any = None
-    opt: Any = None
-    options: Any = None
-    inverse: dict[str, str] = {}
-    if optimizer is not None and keys.state:
-        if keys.id_keyed:
-            raise CheckpointError(
-                f"{d}: optimizer state keyed by integer ids (a raw "
-                "optimizer.state_dict()) cannot be loaded into a sharded "
-                "optimizer by name"
+    parts = w.source.parts()
+    owner = {key: i for i, part in enumerate(parts) for key in part.entries()}
+    entries = w.source.entries()
+    states: list[dict[str, Any]] = [{} for _ in parts]
+    tied = {row.a for row in w.match.rows if row.status == "tied"}
+    for item in w.match.items:
+        if item.key in tied:
+            continue  # the same tensor as the parameter it is tied to
+        _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
+    for where, state in zip(w.info.parts, states):
+        # Every rank makes the same DCP calls in the same order (a rank with nothing to load
+        # from a part still takes part in its collectives).
+        try:
+            dcp_load(
+                state,
+                storage_reader=SafeFileSystemReader(where),
+                planner=SafeLoadPlanner(),
+                process_group=group,
+                no_dist=not comm.enabled,
             )
-        optimizers = inner_optimizers(optimizer)
-        opt = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
-        flatten = keys.groups_by_fqn or any(len(r.entry.path) <= 2 for r in keys.state.values())
-        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-        osd = get_optimizer_state_dict(model, opt, options=options)
-        spelled = {r.fqn: r.raw for r in keys.state.values()}
-        spelled.update({r.fqn: r.raw for g in keys.groups.values() for r in g.values()})
-        renamed, inverse = _spell(osd, spelled, canon, flatten)
-        at = next(iter(keys.state.values())).container
-        if at:
-            state[at] = renamed
-        else:
-            state.update(renamed)
-    if not state:
-        return
-    try:
-        dcp_load(
-            state,
-            storage_reader=SafeFileSystemReader(d),
-            planner=SafeLoadPlanner(),
-            process_group=group,
-            no_dist=not comm.enabled,
-        )
-    except BaseException as exc:  # torch's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise CheckpointError(f"loading {d} failed: {_first_failure(exc)}") from None
-    if msd is not None:
-        set_model_state_dict(model, msd)
-    if osd is not None:
-        at = next(iter(keys.state.values())).container
-        loaded = state[at] if at else state
-        set_optimizer_state_dict(model, opt, _unspell(loaded, osd, inverse), options=options)
+        except BaseException as exc:  # torch's CheckpointException derives from BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"loading {where} failed: {_first_failure(exc)}") from None
+    set_model_state_dict(w.model, w.msd)
+    if w.osd is not None:
+        _set_hparams(w)
+        set_optimizer_state_dict(w.model, w.optimizer, w.osd)
+
+
+def _set_hparams(w: _Work) -> None:
+    """Hyperparameters of each live param group from the checkpoint group paired with it."""
+    keys = [e.key for g in w.match.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
+    saved = w.source.read_objects(keys) if keys else {}
+    groups = w.osd["param_groups"]
+    for g in w.match.groups:
+        if g.ckpt is None or g.index >= len(groups):
+            continue
+        for name, entry in g.ckpt.items():
+            if name not in ("params", "param_names") and name in groups[g.index]:
+                groups[g.index][name] = saved[entry.key]
 
 
 def _first_failure(exc: BaseException) -> str:
@@ -273,74 +313,28 @@ def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     d[path[-1]] = value
 
 
-def _spell(
-    osd: Any, spelled: dict[str, str], canon: Any, flatten: bool
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """The live optimizer state dict with FQNs spelled as the checkpoint spells them.
-
-    Also returns the inverse renaming (checkpoint spelling -> live key).
-    """
-    inverse: dict[str, str] = {}
-
-    def name(fqn: str) -> str:
-        out = spelled.get(canon(fqn), fqn)
-        inverse[out] = fqn
-        return out
-
-    if flatten:
-        out = {}
-        for k, v in osd.items():
-            kind, _, rest = k.partition(".")
-            fqn, _, item = rest.rpartition(".")
-            new = f"{kind}.{name(fqn)}.{item}"
-            inverse[new] = k
-            out[new] = v
-        return out, inverse
-    renamed = {
-        "state": {name(f): s for f, s in osd["state"].items()},
-        "param_groups": [
-            {**g, "params": [name(p) for p in g["params"]]} for g in osd["param_groups"]
-        ],
-    }
-    return renamed, inverse
-
-
-def _unspell(loaded: Any, osd: Any, inverse: dict[str, str]) -> Any:
-    """The loaded optimizer state dict back in the live names torch expects."""
-    if "state" not in loaded or "param_groups" not in loaded:  # flattened
-        return {inverse.get(k, k): v for k, v in loaded.items()}
-    return {
-        "state": {inverse.get(f, f): s for f, s in loaded["state"].items()},
-        # Hyperparameters as loaded; params as the live groups list them (same order).
-        "param_groups": [
-            {**g, "params": list(live["params"])}
-            for g, live in zip(loaded["param_groups"], osd["param_groups"])
-        ],
-    }
-
-
-def _read_full(model: Any, optimizer: Any, info: CheckpointInfo) -> tuple[dict, dict | None]:
-    """The full model (and optimizer) state from a full checkpoint, on the CPU; local I/O only."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    source = open_source(info.path)
-    try:
-        keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
-        canon = model_canonicalizer(model)
-        full: dict[str, torch.Tensor] = {}
-        for fqn in get_model_state_dict(model):
-            r = keys.model.get(canon(fqn))
-            if r is not None and r.entry.is_tensor:
-                (full[fqn],) = source.read([_whole(r.entry)], torch.device("cpu"))
-        osd = None
-        if optimizer is not None and keys.state:
-            osd = _full_optimizer_state(source, keys, optimizer, model, canon)
-    finally:
-        source.close()
+def _read_full(w: _Work) -> tuple[dict, dict | None]:
+    """The paired entries of a full checkpoint, whole, on the CPU; local I/O only."""
+    entries = w.source.entries()
+    cpu = torch.device("cpu")
+    full: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for item in w.match.items:
+        e = entries[item.ckpt_key]
+        (value,) = w.source.read([_whole(e)], cpu)
+        if item.is_param_state:
+            name = item.key.rsplit(".", 1)[1]
+            state.setdefault(w.raw_param.get(item.fqn, item.fqn), {})[name] = value
+        else:
+            full[w.raw.get(item.key, item.key)] = value
+    osd = None
+    if w.osd is not None:
+        _set_hparams(w)
+        osd = {"state": state, "param_groups": w.osd["param_groups"]}
     return full, osd
 
 
-def _apply_full(model: Any, optimizer: Any, full: dict, osd: dict | None) -> None:
+def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
     """Each rank keeps its shards of the full state (collective inside torch)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -349,48 +343,13 @@ def _apply_full(model: Any, optimizer: Any, full: dict, osd: dict | None) -> Non
     )
 
     options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, cast(Any, full), options=options)
+    set_model_state_dict(w.model, cast(Any, full), options=options)
     if osd is not None:
-        optimizers = inner_optimizers(optimizer)
-        opt: Any = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
-        set_optimizer_state_dict(model, opt, osd, options=options)
+        set_optimizer_state_dict(w.model, w.optimizer, osd, options=options)
 
 
 def _whole(entry: Any) -> Region:
     return Region(entry.key, (0,) * len(entry.shape), tuple(entry.shape))
-
-
-def _full_optimizer_state(
-    source: Source, keys: matching.CheckpointKeys, optimizer: Any, model: Any, canon: Any
-) -> dict:
-    """The checkpoint's optimizer state keyed by the live FQNs (torch's full-state form)."""
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-    groups = []
-    for opt in inner_optimizers(optimizer):
-        for g in opt.param_groups:
-            groups.append(
-                {
-                    **{k: v for k, v in g.items() if k != "params"},
-                    "params": [first[id(p)] for p in g["params"]],
-                }
-            )
-    live_order = [p for g in groups for p in g["params"]]
-    to_live: dict[str, str] = {}
-    if keys.id_keyed:
-        params = {g: hp["params"].key for g, hp in keys.groups.items() if "params" in hp}
-        saved = source.read_objects(list(params.values()))
-        ids = [str(p) for g in sorted(params, key=lambda g: (len(g), g)) for p in saved[params[g]]]
-        to_live = dict(zip(ids, live_order))
-    else:
-        to_live = {canon(f): f for f in live_order}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for (who, item), r in keys.state.items():
-        fqn = to_live.get(who)
-        if fqn is not None and r.entry.is_tensor:
-            (state.setdefault(fqn, {})[item],) = source.read([_whole(r.entry)], torch.device("cpu"))
-    return {"state": state, "param_groups": groups}
 
 
 def check_against_manifest(

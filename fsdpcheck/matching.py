@@ -1,312 +1,74 @@
-"""The key model: which checkpoint entry and which live tensor name the same thing.
+"""The pairing: which tensor of one side is checked against which entry of the other.
 
-Every entry point (verify, load, save, compare, fingerprint, fingerprint_checkpoint, audit,
-inspect) names tensors the same way, through this module only:
+Every entry point pairs names here and nowhere else: ``verify``, ``load`` and ``save`` (the
+live model against a checkpoint: ``match_live``), ``compare`` (a checkpoint against another:
+``match_checkpoints``), and through them the integrations. Both run the same algorithm
+(``_pair``) over two ``Side``s, so a pair verify accepts is the pair load loads and compare
+compares. In order:
 
-- model tensors by their canonical FQN: the name the unwrapped model gives them. Wrapper
-  components (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, ``_orig_mod``) are
-  removed wherever they appear; leading wrapper prefixes (``module.`` of DDP/DeepSpeed,
-  ``_forward_module.`` of Lightning, ``_orig_mod.`` of torch.compile) are removed while every
-  model name of that side carries them. A prefix that is part of the model's own FQNs (``model.``
-  of a Hugging Face ``*ForCausalLM``) is never removed: a checkpoint's containers are recognised
-  from its structure (nested dicts, DCP's planner data), never from dots inside a name.
-- optimizer state as ``optim.state.<fqn>.<name>``, hyperparameters as
-  ``optim.param_groups.<i>.<name>``.
+1. integer optimizer ids (a raw ``optimizer.state_dict()``) are mapped to parameters by the one
+   rule in ``keys.resolve_ids``, with the other side's param_groups order;
+2. a prefix that differs between the two sides' model names (a Lightning module's ``model.``
+   against that model's own ``save_pretrained``) is found and named in a note;
+3. a PEFT adapter file's names get the live adapter's name back (``lora_A.weight`` is the live
+   ``lora_A.default.weight``), and the frozen base weights are named as not in an adapter file;
+4. each tensor of side A is paired by the user's ``key_map``, else by canonical name (under the
+   prefix), else through a tied parameter; names that need not be on side B (non-persistent
+   buffers) are compared when B holds them and listed, not missing, when it does not;
+5. everything left is a finding or an ignored row with its reason; optimizer state that only
+   one side has at all is ONE finding (with the ``--ignore 'optim.*'`` hint), not one per tensor.
 
-The result of matching is data: a list of MappingRow (side A key, side B key, status, reason)
-that reports carry and ``fsdpcheck inspect --show-mapping`` prints.
+The result is data: the pairs, MappingRows (``fsdpcheck inspect --show-mapping`` prints them),
+findings and notes, identical on every rank that pairs the same names.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fsdpcheck.keys import (
+    CheckpointKeys,
+    CkptKey,
+    checkpoint_keys,
+    group_params,
+    keys_from_entries,
+    non_tensor_note,
+    resolve_ids,
+)
+from fsdpcheck.names import canonicalizer, group_key, optim_key
 from fsdpcheck.report import Finding, MappingRow
-from fsdpcheck.sources.base import Entry
 
 if TYPE_CHECKING:
     from fsdpcheck.live import LiveState
 
-# Components that wrappers insert anywhere in a name; never part of a real model's FQNs.
-WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-# Leading components that wrappers put before every name (DDP/DeepSpeed, Lightning, compile).
-WRAPPER_PREFIXES = ("module", "_forward_module", "_orig_mod")
-
-# Top-level containers of a nested checkpoint: where writers put the model and the optimizer.
-MODEL_CONTAINERS = frozenset(
-    {"model", "module", "state_dict", "model_state_dict", "model_state", "models"}
-)
-OPTIM_CONTAINERS = frozenset(
-    {"optim", "optimizer", "optimizers", "optimizer_state_dict", "optim_state", "optimizer_states"}
-)
-_NUMBERED_OPTIM = re.compile(r"^(?:optimizer|optim)_(\d+)$")
-_FLAT_STATE = re.compile(r"^state\.(.+)\.([^.]+)$")
-_FLAT_GROUP = re.compile(r"^param_groups\.(.+)\.([^.]+)$")
-
+#: A user's key map: side-A name -> side-B key (its own key or its canonical name), None = not
+#: checked; a dict, a callable, or prefix rules from ``prefix_rules``.
 KeyMap = Callable[[str], "str | None"] | Mapping[str, "str | None"]
+ReadObjects = Callable[[list[str]], dict[str, Any]]
 
-
-def optim_key(fqn: str, name: str) -> str:
-    """The canonical name of an optimizer state entry."""
-    return f"optim.state.{fqn}.{name}"
-
-
-def group_key(index: int | str, name: str) -> str:
-    """The canonical name of a param_groups hyperparameter."""
-    return f"optim.param_groups.{index}.{name}"
-
-
-def canonical_names(names: Iterable[str]) -> dict[str, str]:
-    """Original name -> canonical FQN, for the model names of ONE side.
-
-    Interior wrapper components go; a leading wrapper prefix goes only while every name has it
-    (so a model whose own top-level module happens to be called ``module`` on both sides still
-    matches, and ``model.`` is never touched).
-    """
-    parts = {n: [c for c in n.split(".") if c not in WRAPPER_COMPONENTS] for n in names}
-    while parts:
-        heads = {p[0] if len(p) > 1 else None for p in parts.values()}
-        if len(heads) != 1:
-            break
-        (head,) = heads
-        if head not in WRAPPER_PREFIXES:
-            break
-        parts = {n: p[1:] for n, p in parts.items()}
-    return {n: ".".join(p) for n, p in parts.items()}
-
-
-def canonicalizer(model_names: Iterable[str]) -> Callable[[str], str]:
-    """A function that canonicalises any name of the side whose model names are given.
-
-    Optimizer FQNs are a subset of the model's names: they get the same treatment, decided by
-    the model names (so Lightning's ``_forward_module.`` goes from model AND optimizer keys).
-    """
-    names = list(model_names)
-    mapping = canonical_names(names)
-    stripped = _stripped_prefix(names, mapping)
-
-    def canon(name: str) -> str:
-        if name in mapping:
-            return mapping[name]
-        parts = [c for c in name.split(".") if c not in WRAPPER_COMPONENTS]
-        k = len(stripped)
-        if k and parts[:k] == stripped and len(parts) > k:
-            parts = parts[k:]
-        return ".".join(parts)
-
-    return canon
-
-
-def _stripped_prefix(names: list[str], mapping: dict[str, str]) -> list[str]:
-    for n in names:
-        parts = [c for c in n.split(".") if c not in WRAPPER_COMPONENTS]
-        k = len(parts) - len(mapping[n].split("."))
-        return parts[:k]
-    return []
-
-
-# -------------------------------------------------------------------------------------------
-# The checkpoint side.
-@dataclass(frozen=True)
-class CkptKey:
-    """One checkpoint entry with its role.
-
-    Attributes:
-        entry: The source's entry (its own key, structural path, shape, dtype).
-        role: "model", "state" (optimizer state), "group" (a hyperparameter) or "other"
-            (training state that is neither: lr_scheduler, dataloader, train_state, counters).
-        name: The canonical name (model FQN, ``optim.state.<fqn>.<name>``,
-            ``optim.param_groups.<g>.<name>``; the checkpoint key for "other").
-        fqn: For state: the parameter as the checkpoint names it (canonical FQN, or an integer
-            id of a raw ``optimizer.state_dict()``). For group: the group index, or the FQN of
-            torchtitan's flattened per-parameter hyperparameters.
-        item: The state or hyperparameter name.
-        optimizer: Index of the optimizer when a checkpoint holds a list of them.
-        raw: For state and group: the parameter or group as the checkpoint spells it (before
-            canonicalisation), to address the checkpoint in its own names.
-        container: The top-level container the entry sits in ("" when flat).
-    """
-
-    entry: Entry
-    role: str
-    name: str
-    fqn: str = ""
-    item: str = ""
-    optimizer: int = 0
-    raw: str = ""
-    container: str = ""
-
-    @property
-    def key(self) -> str:
-        """The checkpoint's own key."""
-        return self.entry.key
-
-
-@dataclass
-class CheckpointKeys:
-    """Every entry of a checkpoint, by role, under canonical names."""
-
-    rows: list[CkptKey] = field(default_factory=list)
-    model: dict[str, CkptKey] = field(default_factory=dict)  # canonical fqn -> key
-    state: dict[tuple[str, str], CkptKey] = field(default_factory=dict)  # (fqn/id, name)
-    groups: dict[str, dict[str, CkptKey]] = field(default_factory=dict)  # group -> name -> key
-    other: list[CkptKey] = field(default_factory=list)
-    #: Optimizer state keyed by integer ids (a raw ``optimizer.state_dict()``).
-    id_keyed: bool = False
-    #: Hyperparameters flattened per parameter FQN (torchtitan), not per group index.
-    groups_by_fqn: bool = False
-
-    def tensors(self) -> list[CkptKey]:
-        """Every tensor entry."""
-        return [r for r in self.rows if r.entry.is_tensor]
-
-    def by_name(self) -> dict[str, CkptKey]:
-        """Canonical name -> key, for the tensors (model and optimizer state and other)."""
-        return {r.name: r for r in self.tensors()}
-
-
-def checkpoint_keys(entries: Mapping[str, Entry], *, flat: bool = False) -> CheckpointKeys:
-    """Sorts a checkpoint's entries into roles and gives each its canonical name.
-
-    Args:
-        entries: The source's entries (structural paths decide; flat keys fall back to the
-            ``[optim.]state.<fqn>.<name>`` / ``param_groups.<i>.<name>`` shapes).
-        flat: The format has no nesting (safetensors): every key is one name, dots included.
-    """
-    out = CheckpointKeys()
-    paths = {e.key: ((e.key,) if flat else e.path) for e in entries.values()}
-    has_model_container = any(len(p) > 1 and p[0] in MODEL_CONTAINERS for p in paths.values())
-    model_raw: list[tuple[Entry, str]] = []
-    state_raw: list[tuple[Entry, str, str, int]] = []
-    group_raw: list[tuple[Entry, str, str, int]] = []
-    for key in sorted(entries):
-        e = entries[key]
-        p = paths[e.key]
-        role = _optim_role(p)
-        if role is not None:
-            kind, who, item, index = role
-            (state_raw if kind == "state" else group_raw).append((e, who, item, index))
-        elif len(p) > 1 and p[0] in MODEL_CONTAINERS:
-            model_raw.append((e, ".".join(p[1:])))
-        elif len(p) == 1 and not has_model_container and e.is_tensor:
-            model_raw.append((e, p[0]))
-        else:
-            out.other.append(CkptKey(e, "other", e.key))
-    canon = canonicalizer([n for _, n in model_raw] or [w for _, w, _, _ in state_raw])
-    for e, raw in model_raw:
-        name = canon(raw)
-        row = CkptKey(e, "model", name, raw=raw, container=_top(paths, e))
-        if e.is_tensor:
-            out.model[name] = row
-        out.rows.append(row)
-    whos = {w for _, w, _, _ in state_raw}
-    out.id_keyed = bool(whos) and all(w.isdigit() for w in whos)
-    for e, who, item, index in state_raw:
-        fqn = who if out.id_keyed else canon(who)
-        row = CkptKey(e, "state", optim_key(fqn, item), fqn, item, index, who, _top(paths, e))
-        out.state[(fqn, item)] = row
-        out.rows.append(row)
-    gids = {w for _, w, _, _ in group_raw}
-    out.groups_by_fqn = bool(gids) and not all(g.isdigit() for g in gids)
-    for e, who, item, index in group_raw:
-        g = who if not out.groups_by_fqn else canon(who)
-        row = CkptKey(e, "group", group_key(g, item), g, item, index, who, _top(paths, e))
-        out.groups.setdefault(g, {})[item] = row
-        out.rows.append(row)
-    out.rows += out.other
-    return out
-
-
-def _top(paths: Mapping[str, tuple[str, ...]], e: Entry) -> str:
-    p = paths[e.key]
-    if len(p) > 1 and (
-        p[0] in MODEL_CONTAINERS or p[0] in OPTIM_CONTAINERS or _NUMBERED_OPTIM.match(p[0])
-    ):
-        return p[0]
-    return ""
-
-
-def _optim_role(p: tuple[str, ...]) -> tuple[str, str, str, int] | None:
-    """("state" | "group", fqn or group, name, optimizer index) of an optimizer entry, or None."""
-    rest, index = p, 0
-    numbered = _NUMBERED_OPTIM.match(rest[0]) if len(rest) > 1 else None
-    if numbered:  # optimizer_<i>: Lightning's ModelParallelStrategy saves optimizer i there
-        index, rest = int(numbered.group(1)), rest[1:]
-    elif len(rest) > 1 and rest[0] in OPTIM_CONTAINERS:
-        rest = rest[1:]
-        if len(rest) > 1 and rest[0].isdigit():  # a list of optimizers (Lightning .ckpt)
-            index, rest = int(rest[0]), rest[1:]
-    elif len(rest) == 1 and "." in rest[0]:
-        head, _, tail = rest[0].partition(".")
-        if head in OPTIM_CONTAINERS:
-            rest = (tail,)
-    if len(rest) == 3 and rest[0] == "state":
-        return ("state", rest[1], rest[2], index)
-    if len(rest) == 3 and rest[0] == "param_groups":
-        return ("group", rest[1], rest[2], index)
-    if len(rest) == 1:
-        m = _FLAT_STATE.match(rest[0])
-        if m:
-            return ("state", m.group(1), m.group(2), index)
-        m = _FLAT_GROUP.match(rest[0])
-        if m:
-            return ("group", m.group(1), m.group(2), index)
-    return None
-
-
-def prefix_pair(a: Iterable[str], b: Iterable[str]) -> tuple[str, str]:
-    """(strip, add): the one prefix change that turns the most names of `a` into names of `b`.
-
-    For checkpoints that put every model name under one extra prefix that is not a container
-    (a wrapper module saved flat: ``model.0.weight`` for a live ``0.weight``), and the reverse.
-    ("", "") unless a prefix change matches strictly more names than none does; names that match
-    exactly never use it.
-    """
-    a_set, b_set = set(a), set(b)
-    exact = len(a_set & b_set)
-    candidates: set[tuple[str, str]] = set()
-    for x in sorted(a_set)[:64]:
-        for y in b_set:
-            if y != x and y.endswith("." + x):
-                candidates.add(("", y[: len(y) - len(x)]))
-            elif y != x and x.endswith("." + y):
-                candidates.add((x[: len(x) - len(y)], ""))
-    best, best_score = ("", ""), exact
-    for strip, add in sorted(candidates):
-        score = sum(1 for x in a_set if x.startswith(strip) and add + x[len(strip) :] in b_set)
-        if score > best_score:
-            best, best_score = (strip, add), score
-    return best
-
-
-def with_prefix(pair: tuple[str, str], name: str) -> str:
-    """A name of side a under a prefix_pair result."""
-    strip, add = pair
-    return add + (name[len(strip) :] if name.startswith(strip) else name)
-
-
-def non_tensor_note(keys: CheckpointKeys, side: str = "the checkpoint") -> str | None:
-    """Names the non-tensor training state (lr_scheduler, dataloader, ...) nothing compares.
-
-    Grouped by top-level entry, so that a torchtitan step names ``lr_scheduler``, ``dataloader``
-    and ``train_state`` whatever they hold inside.
-    """
-    groups: dict[str, int] = {}
-    for r in keys.other:
-        if not r.entry.is_tensor:
-            top = r.entry.path[0] if len(r.entry.path) > 1 else r.key
-            groups[top] = groups.get(top, 0) + 1
-    if not groups:
-        return None
-    named = ", ".join(f"{g} ({n})" if n > 1 else g for g, n in sorted(groups.items()))
-    total = sum(groups.values())
-    return f"{side} holds {total} non-tensor entries that are not compared: {named}"
+__all__ = [
+    "CheckpointKeys",
+    "CkptKey",
+    "GroupPair",
+    "KeyMap",
+    "LiveItem",
+    "LiveMatch",
+    "PairMatch",
+    "apply_key_map",
+    "checkpoint_keys",
+    "is_ignored",
+    "keys_from_entries",
+    "match_checkpoints",
+    "match_live",
+    "non_tensor_note",
+    "prefix_pair",
+    "prefix_rules",
+]
 
 
 # -------------------------------------------------------------------------------------------
@@ -319,7 +81,7 @@ def is_ignored(patterns: Sequence[str] | None, *names: str | None) -> bool:
 
 
 def apply_key_map(key_map: KeyMap | None, key: str, default: str | None) -> str | None:
-    """The checkpoint key of a live key under a user key_map (None: not checked)."""
+    """The side-B key of a side-A name under a user key_map (None: not checked)."""
     if key_map is None:
         return default
     if callable(key_map):
@@ -327,54 +89,515 @@ def apply_key_map(key_map: KeyMap | None, key: str, default: str | None) -> str 
     return key_map.get(key, default)
 
 
-def mapped_to_none(key_map: KeyMap | None, key: str) -> bool:
-    """Whether the user's key_map says not to check `key` (maps it to None)."""
+def _mapped_to_none(key_map: KeyMap | None, key: str) -> bool:
     # A default that is not None tells "no entry" (use the detected name) from "None".
     return key_map is not None and apply_key_map(key_map, key, "") is None
+
+
+class PrefixRules:
+    """Key map of prefix rules ``OLD=NEW``: a name starting with OLD gets NEW instead.
+
+    The first rule whose OLD begins the name applies (in the order given); names no rule
+    touches keep their default pairing. Optimizer names have the rule applied to the parameter
+    inside (``optim.state.<fqn>.<name>``).
+    """
+
+    def __init__(self, rules: Iterable[tuple[str, str]]) -> None:
+        self.rules = [(str(old), str(new)) for old, new in rules]
+        for old, new in self.rules:
+            if old == new:
+                raise ValueError(f"key map rule {old!r}={new!r} changes nothing")
+
+    def __call__(self, name: str) -> str | None:
+        """The renamed name, or None... never: unmatched names raise KeyError-free defaults."""
+        return self.rename(name)
+
+    def rename(self, name: str) -> str:
+        """`name` with the first matching rule applied (or unchanged)."""
+        for old, new in self.rules:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def __repr__(self) -> str:
+        return "PrefixRules(" + ", ".join(f"{o!r}={n!r}" for o, n in self.rules) + ")"
+
+
+def prefix_rules(
+    rules: Mapping[str, str] | Iterable[str] | Iterable[tuple[str, str]],
+) -> PrefixRules:
+    """Prefix rules from ``{"OLD": "NEW"}``, ``["OLD=NEW", ...]`` or ``[("OLD", "NEW")]``.
+
+    Raises:
+        ValueError: A rule is not ``OLD=NEW``.
+    """
+    pairs: list[tuple[str, str]] = []
+    items: Iterable[Any] = rules.items() if isinstance(rules, Mapping) else rules
+    for r in items:
+        if isinstance(r, str):
+            if "=" not in r:
+                raise ValueError(f"key map rule {r!r} is not OLD=NEW (e.g. 'model.=' or 'a.=b.')")
+            old, _, new = r.partition("=")
+            pairs.append((old, new))
+        else:
+            old, new = r
+            pairs.append((old, new))
+    return PrefixRules(pairs)
+
+
+# -------------------------------------------------------------------------------------------
+# The prefix two sides differ by.
+def prefix_pair(a: Iterable[str], b: Iterable[str]) -> tuple[str, str]:
+    """(strip, add): the one prefix change that turns the most names of `a` into names of `b`.
+
+    For checkpoints that put every model name under one extra prefix that is not a container
+    (a wrapper module saved flat: ``model.0.weight`` for a live ``0.weight``), and the reverse.
+    ``("", "")`` when no change pairs more names than the names as they are. Costs O(|a| + |b|)
+    dictionary lookups (names are indexed by their last two components).
+    """
+    a_set, b_set = set(a), set(b)
+    exact = len(a_set & b_set)
+    if exact == len(a_set) or exact == len(b_set):
+        return ("", "")
+    by_tail: dict[str, list[str]] = {}
+    for y in b_set:
+        by_tail.setdefault(_tail(y), []).append(y)
+    candidates: set[tuple[str, str]] = set()
+    a_tails: dict[str, list[str]] = {}
+    for x in a_set:
+        a_tails.setdefault(_tail(x), []).append(x)
+    for x in sorted(a_set - b_set)[:64]:
+        for y in by_tail.get(_tail(x), ()):
+            if y != x and y.endswith("." + x):
+                candidates.add(("", y[: len(y) - len(x)]))
+            elif y != x and x.endswith("." + y):
+                candidates.add((x[: len(x) - len(y)], ""))
+    best, best_score = ("", ""), exact
+    for strip, add in sorted(candidates):
+        score = sum(1 for x in a_set if x.startswith(strip) and add + x[len(strip) :] in b_set)
+        if score > best_score:
+            best, best_score = (strip, add), score
+    return best
+
+
+def _tail(name: str) -> str:
+    return ".".join(name.rsplit(".", 2)[-2:])
+
+
+def _renamer(pair: tuple[str, str]) -> Callable[[str], str]:
+    strip, add = pair
+
+    def rename(name: str) -> str:
+        return add + (name[len(strip) :] if name.startswith(strip) else name)
+
+    return rename
+
+
+# -------------------------------------------------------------------------------------------
+# The sides and the result.
+@dataclass
+class Side:
+    """One side's tensors under canonical names, ready to pair.
+
+    Attributes:
+        model: Canonical FQN -> handle (a live tensor, or the checkpoint's CkptKey).
+        state: (parameter FQN, state name) -> handle.
+        order: Parameter FQNs in param_groups order (maps the other side's integer ids).
+        tied: Tied duplicate FQN -> the first FQN of the same parameter.
+        optional: Model names the other side need not hold -> why (non-persistent buffers).
+        adapters: Names of the live PEFT adapters (put back into an adapter file's names).
+        id_keyed: Its optimizer state is keyed by integer ids (compare: both sides files).
+        keys: The CheckpointKeys when the side is a checkpoint.
+    """
+
+    model: dict[str, Any] = field(default_factory=dict)
+    state: dict[tuple[str, str], Any] = field(default_factory=dict)
+    order: list[str] | None = None
+    tied: dict[str, str] = field(default_factory=dict)
+    optional: dict[str, str] = field(default_factory=dict)
+    adapters: tuple[str, ...] = ()
+    id_keyed: bool = False
+    keys: CheckpointKeys | None = None
+
+
+@dataclass
+class Words:
+    """How an entry point names its two sides in findings."""
+
+    a: str  # "live", "actual"
+    b: str  # "the checkpoint", "expected"
+    a_only_kind: str  # kind of a finding for a name only side A has
+    b_only_kind: str
+
+
+_LIVE = Words("live", "the checkpoint", "missing", "unexpected")
+_FILES = Words("actual", "expected", "unexpected", "missing")
+
+
+@dataclass
+class Pair:
+    """One tensor of side A paired with its entry on side B."""
+
+    name: str  # canonical name on side A (model FQN or optim.state.<fqn>.<name>)
+    fqn: str  # the parameter's FQN (== name for model tensors)
+    a: Any
+    b: CkptKey
+    is_state: bool = False
+
+
+@dataclass
+class _Result:
+    pairs: list[Pair] = field(default_factory=list)
+    rows: list[MappingRow] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Options:
+    key_map: KeyMap | None
+    ignore: Sequence[str] | None
+    words: Words
+    b_keys: CheckpointKeys
+    b_entry_keys: set[str]
+    b_names: dict[str, CkptKey]
+
+
+def _pair(a: Side, b: Side, opt: _Options) -> _Result:
+    """Pairs side A's tensors with side B's entries (the algorithm in the module docstring)."""
+    out = _Result()
+    used: set[str] = set()
+    w = opt.words
+    rules = opt.key_map if isinstance(opt.key_map, PrefixRules) else None
+    ruled = (lambda n: rules.rename(n)) if rules is not None else (lambda n: n)
+    auto = _model_renamer({ruled(n) for n in a.model}, b, out, explicit=rules is not None)
+
+    def lookup(n: str) -> str:
+        return auto(ruled(n))
+
+    adapter = _adapter_renamer(a, b)
+    ties: dict[str, list[str]] = {}
+    for dup, first in a.tied.items():
+        ties.setdefault(first, [first]).append(dup)
+    group_of = {n: g for g in ties.values() for n in g}
+    base_weights = 0
+    for name in sorted(a.model):
+        target = b.model.get(adapter(lookup(name)) if adapter else lookup(name))
+        status, reason = "compared", ""
+        if target is None and name in group_of:
+            held = [n for n in group_of[name] if lookup(n) in b.model]
+            if held:
+                target, status = b.model[lookup(held[0])], "tied"
+                reason = f"tied to {held[0]}, which {w.b} holds"
+                out.notes.append(f"{name} is tied to {held[0]}: checked against {target.key}")
+        if target is None and not _user_mapped(opt, name):
+            if adapter is not None and adapter(name) == name:
+                base_weights += 1
+                out.rows.append(
+                    MappingRow(name, None, "ignored", "base weight, not in an adapter file")
+                )
+                continue
+            if name in a.optional:
+                out.rows.append(MappingRow(name, None, "ignored", a.optional[name]))
+                continue
+        _add(out, opt, used, name, name, a.model[name], target, status, reason, False)
+    if base_weights:
+        out.notes.append(
+            f"{w.b} is an adapter file: {base_weights} base-model weight(s) {w.a} are not in it "
+            "and were not checked"
+        )
+    if a.state and b.state:
+        for fqn, item in sorted(a.state):
+            key = optim_key(fqn, item)
+            row = b.state.get((lookup(fqn), item))
+            _add(
+                out, opt, used, key, fqn, a.state[(fqn, item)], row, "compared", "", True,
+                f"optimizer state '{item}' of {fqn} is not in {w.b}",
+            )  # fmt: skip
+    elif a.state or b.state:
+        lone, kind, holder, other = (
+            (a, w.a_only_kind, w.a, w.b) if a.state else (b, w.b_only_kind, w.b, w.a)
+        )
+        _one_sided_state(lone, lone is a, opt, out, used, kind, holder, other)
+    _leftovers(a, b, opt, out, used)
+    out.rows.sort(key=lambda r: r.a or r.b or "")
+    return out
+
+
+def _user_mapped(opt: _Options, name: str) -> bool:
+    """Whether the user's key map (a dict or callable) says something about `name`."""
+    if opt.key_map is None or isinstance(opt.key_map, PrefixRules):
+        return False
+    return apply_key_map(opt.key_map, name, "") != ""
+
+
+def _model_renamer(
+    a_names: set[str], b: Side, out: _Result, explicit: bool
+) -> Callable[[str], str]:
+    """The prefix change that pairs the most model names, named in a note when there is one."""
+    pair = prefix_pair(a_names, b.model)
+    if pair == ("", ""):
+        return lambda n: n
+    rule = f"{pair[0]}={pair[1]}"
+    out.notes.append(
+        f"model names differ by a prefix: {pair[0] or 'none'!r} on one side is "
+        f"{pair[1] or 'none'!r} on the other; paired that way"
+        + ("" if explicit else f" (--key-map '{rule}' / key_map=prefix_rules(['{rule}']) says it)")
+    )
+    return _renamer(pair)
+
+
+def _adapter_renamer(a: Side, b: Side) -> Callable[[str], str] | None:
+    """For a PEFT adapter file: the live name without the adapter's name, else None."""
+    if not (b.keys is not None and b.keys.adapter and a.adapters):
+        return None
+    drop = [f".{n}." for n in a.adapters]
+
+    def strip(name: str) -> str:
+        for d in drop:
+            if d in name:
+                return name.replace(d, ".", 1)
+        return name
+
+    return strip
+
+
+def _target(opt: _Options, key: str, default: CkptKey | None) -> tuple[CkptKey | None, str]:
+    """The side-B entry of a side-A key: the user's key map's, else the default; a problem."""
+    if opt.key_map is None or isinstance(opt.key_map, PrefixRules):
+        return default, ""
+    mapped = apply_key_map(opt.key_map, key, default.key if default else None)
+    if mapped is None:
+        return None, ""
+    if default is not None and mapped == default.key:
+        return default, ""
+    hit = opt.b_keys.by_key().get(mapped) or opt.b_names.get(mapped)
+    if hit is None:
+        return None, f"key_map names {mapped!r}, which {opt.words.b} lacks"
+    return hit, ""
+
+
+def _add(
+    out: _Result,
+    opt: _Options,
+    used: set[str],
+    key: str,
+    fqn: str,
+    value: Any,
+    default: CkptKey | None,
+    status: str,
+    reason: str,
+    is_state: bool,
+    missing_msg: str = "",
+) -> None:
+    w = opt.words
+    target, problem = _target(opt, key, default)
+    if is_ignored(opt.ignore, key, target.key if target else None):
+        out.rows.append(
+            MappingRow(key, target.key if target else None, "ignored", "excluded by the user")
+        )
+        if target is not None:
+            used.add(target.key)
+        return
+    if target is None and not problem and _mapped_to_none(opt.key_map, key):
+        out.rows.append(MappingRow(key, None, "ignored", "key_map maps it to None"))
+        return
+    if problem:
+        out.findings.append(Finding(key, w.a_only_kind, problem))
+        out.rows.append(MappingRow(key, None, w.a_only_kind, "key_map target not found"))
+        return
+    if target is None:
+        out.findings.append(
+            Finding(
+                key,
+                w.a_only_kind,
+                missing_msg
+                or f"in {w.a} but not in {w.b}; pass key_map if {w.b} names it differently, "
+                "or ignore= to exclude it",
+            )
+        )
+        out.rows.append(MappingRow(key, None, w.a_only_kind, f"not in {w.b}"))
+        return
+    used.add(target.key)
+    out.pairs.append(Pair(key, fqn, value, target, is_state))
+    out.rows.append(MappingRow(key, target.key, status, reason))
+
+
+def _leftovers(a: Side, b: Side, opt: _Options, out: _Result, used: set[str]) -> None:
+    """Side-B entries nothing paired: a finding or an ignored row each."""
+    w = opt.words
+    with_state = {fqn for fqn, _ in a.state}
+    for (fqn, item), r in sorted(b.state.items(), key=lambda kv: kv[1].key):
+        if r.key in used:
+            continue
+        used.add(r.key)
+        name = optim_key(fqn, item)
+        if is_ignored(opt.ignore, name, r.key):
+            out.rows.append(MappingRow(None, r.key, "ignored", "excluded by the user"))
+        elif a.keys is not None:
+            out.findings.append(Finding(name, w.b_only_kind, f"in {w.b} but not in {w.a}"))
+            out.rows.append(MappingRow(None, r.key, w.b_only_kind, f"not in {w.a}"))
+        elif fqn not in a.model:
+            msg = f"optimizer state in {w.b} for a parameter the model does not have"
+            out.findings.append(Finding(name, w.b_only_kind, msg))
+            out.rows.append(MappingRow(None, r.key, w.b_only_kind, "no such live parameter"))
+        elif fqn not in with_state:
+            msg = (
+                f"{w.b} has optimizer state '{item}' for {fqn} but the optimizer holds none for "
+                "it (not loaded?)"
+            )
+            out.findings.append(Finding(name, "missing", msg))
+            out.rows.append(MappingRow(name, r.key, "missing", "not live"))
+        else:
+            msg = f"{w.b} has optimizer state '{item}' for {fqn}; the optimizer has not"
+            out.findings.append(Finding(name, w.b_only_kind, msg))
+            out.rows.append(MappingRow(None, r.key, w.b_only_kind, "state name not live"))
+    for r in opt.b_keys.rows:
+        if r.key in used or not r.entry.is_tensor or r.role == "state":
+            continue
+        if r.role == "other":
+            out.rows.append(MappingRow(None, r.key, "ignored", "training state, not model/optim"))
+        elif is_ignored(opt.ignore, r.name, r.key):
+            out.rows.append(MappingRow(None, r.key, "ignored", "excluded by the user"))
+        else:
+            out.findings.append(Finding(r.name, w.b_only_kind, f"in {w.b} but not in {w.a}"))
+            out.rows.append(MappingRow(None, r.key, w.b_only_kind, f"not in {w.a}"))
+
+
+def _one_sided_state(
+    side: Side,
+    is_a: bool,
+    opt: _Options,
+    out: _Result,
+    used: set[str],
+    kind: str,
+    holder: str,
+    other: str,
+) -> None:
+    """Optimizer state only one side has at all: ONE finding, every tensor in the rows."""
+    kept = 0
+    params: set[str] = set()
+    for (fqn, item), handle in sorted(side.state.items()):
+        name = optim_key(fqn, item)
+        key = handle.key if isinstance(handle, CkptKey) else None
+        if key is not None:
+            used.add(key)
+        ignored = is_ignored(opt.ignore, name, key)
+        status = "ignored" if ignored else kind
+        why = "excluded by the user" if ignored else f"optimizer state {other} does not hold"
+        out.rows.append(MappingRow(name if is_a else None, None if is_a else key, status, why))
+        if not ignored:
+            kept += 1
+            params.add(fqn)
+    if kept:
+        out.findings.append(
+            Finding(
+                "optim.state",
+                kind,
+                f"{holder} holds optimizer state ({kept} tensors of {len(params)} parameters) "
+                f"and {other} holds none (a model-only checkpoint?): --ignore 'optim.*' "
+                "(ignore=['optim.*']) checks the models alone",
+            )
+        )
 
 
 # -------------------------------------------------------------------------------------------
 # Checkpoint against checkpoint (compare).
 @dataclass
 class PairMatch:
-    """Two checkpoints' tensors paired by canonical name."""
+    """Two checkpoints' tensors paired by canonical name.
+
+    Attributes:
+        pairs: (name, actual's entry, expected's entry) of every pair to compare.
+        rows: Every tensor of both sides, with its status.
+        findings: Names only one side holds (and key_map targets that do not exist).
+        notes: Prefixes, id mappings, lone optimizer state, training state.
+    """
 
     pairs: list[tuple[str, CkptKey, CkptKey]] = field(default_factory=list)
-    only_a: list[CkptKey] = field(default_factory=list)
-    only_b: list[CkptKey] = field(default_factory=list)
-    ignored: list[MappingRow] = field(default_factory=list)
-
-    def rows(self) -> list[MappingRow]:
-        """The mapping table."""
-        rows = [MappingRow(n, b.key, "compared") for n, _, b in self.pairs]
-        rows += [MappingRow(a.name, None, "unexpected", "only in actual") for a in self.only_a]
-        rows += [MappingRow(None, b.key, "missing", "only in expected") for b in self.only_b]
-        return sorted(rows + self.ignored, key=lambda r: r.a or r.b or "")
+    rows: list[MappingRow] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def match_checkpoints(
-    a: CheckpointKeys, b: CheckpointKeys, ignore: Sequence[str] | None = None
+    a: CheckpointKeys,
+    b: CheckpointKeys,
+    *,
+    read_a: ReadObjects | None = None,
+    read_b: ReadObjects | None = None,
+    key_map: KeyMap | None = None,
+    ignore: Sequence[str] | None = None,
 ) -> PairMatch:
-    """Pairs the tensors of two checkpoints by canonical name (every tensor lands somewhere)."""
-    out = PairMatch()
-    ta, tb = a.by_name(), b.by_name()
-    for name in sorted(set(ta) | set(tb)):
-        ka, kb = ta.get(name), tb.get(name)
-        if is_ignored(ignore, name, ka.key if ka else None, kb.key if kb else None):
-            out.ignored.append(
-                MappingRow(name, kb.key if kb else None, "ignored", "excluded by the user")
+    """Pairs the tensors of two checkpoints (`a` actual, `b` expected): every tensor lands.
+
+    Args:
+        a: The actual checkpoint's keys.
+        b: The expected checkpoint's keys.
+        read_a: Reads `a`'s non-tensor entries (param_groups ``params``, to map integer ids).
+        read_b: The same for `b`.
+        key_map: Actual's name -> expected's key or name (None: not compared), or prefix rules.
+        ignore: fnmatch patterns of names (or either side's keys) to exclude.
+    """
+    notes: list[str] = []
+    sa, sb = _file_side(a), _file_side(b)
+    for (s_id, read_id, label), (s_other, read_other) in (
+        ((sa, read_a, "actual"), (sb, read_b)),
+        ((sb, read_b, "expected"), (sa, read_a)),
+    ):
+        if not s_id.id_keyed or s_other.id_keyed or not s_other.state:
+            continue
+        assert s_id.keys is not None and s_other.keys is not None
+        order = _file_order(s_other.keys, read_other)
+        idmap = resolve_ids(s_id.keys, read_id or _no_objects, order or [])
+        if order is None or idmap.error:
+            notes.append(
+                f"{label}: optimizer state keyed by integer ids, which cannot be paired with the "
+                f"other side's parameter names ({idmap.error or 'it has no param_groups order'})"
             )
-        elif ka is not None and kb is not None:
-            out.pairs.append((name, ka, kb))
-        elif ka is not None:
-            out.only_a.append(ka)
-        elif kb is not None:
-            out.only_b.append(kb)
-    return out
+            continue
+        s_id.state = {(idmap.ids.get(i, i), n): r for (i, n), r in s_id.state.items()}
+        notes.append(
+            f"{label}: optimizer state keyed by integer ids, mapped to the other side's "
+            "parameter names in param_groups order"
+        )
+    opt = _Options(key_map, ignore, _FILES, b, {r.key for r in b.rows}, b.by_name())
+    res = _pair(sa, sb, opt)
+    for side, keys in (("actual", a), ("expected", b)):
+        note = non_tensor_note(keys, side)
+        if note:
+            notes.append(note)
+    return PairMatch(
+        [(p.name, p.a, p.b) for p in res.pairs], res.rows, res.findings, notes + res.notes
+    )
+
+
+def _no_objects(keys: list[str]) -> dict[str, Any]:
+    raise KeyError(keys[0] if keys else "")
+
+
+def _file_side(k: CheckpointKeys) -> Side:
+    return Side(
+        model={n: r for n, r in k.model.items()},
+        state={(r.fqn, r.item): r for r in k.state.values() if r.entry.is_tensor},
+        id_keyed=k.id_keyed,
+        keys=k,
+    )
+
+
+def _file_order(k: CheckpointKeys, read: ReadObjects | None) -> list[str] | None:
+    """A checkpoint's parameter FQNs in param_groups order (None without params lists)."""
+    if read is None:
+        return None
+    lists = group_params(k, read)
+    if lists is None:
+        return None
+    canon = canonicalizer(n for n in (r.raw for r in k.model.values()))
+    return [canon(p) for ps in lists for p in ps]
 
 
 # -------------------------------------------------------------------------------------------
-# The live model against a checkpoint (verify).
+# The live model against a checkpoint (verify, load, save).
 @dataclass
 class LiveItem:
     """One live tensor matched with the checkpoint entry it is checked against."""
@@ -412,49 +635,94 @@ def match_live(
     live: LiveState,
     ckpt: CheckpointKeys,
     *,
-    read_objects: Callable[[list[str]], dict[str, Any]],
+    read_objects: ReadObjects,
     key_map: KeyMap | None = None,
     ignore: Sequence[str] | None = None,
 ) -> LiveMatch:
     """Pairs every live tensor with a checkpoint entry.
 
     Everything else becomes a finding or a row with its reason. Deterministic: every rank
-    computes the same from the same keys.
+    computes the same from the same names.
 
     Args:
         live: The live state (canonical names).
         ckpt: The checkpoint's keys.
         read_objects: Reads non-tensor entries (param_groups ``params`` lists, to map the
             integer ids of a raw ``optimizer.state_dict()`` to FQNs).
-        key_map: Live key -> checkpoint key overrides (None: not checked).
+        key_map: Live key -> checkpoint key or name overrides (None: not checked), or prefix
+            rules (``prefix_rules``).
         ignore: fnmatch patterns of keys the user excludes.
     """
     m = LiveMatch()
-    used: set[str] = set()
-    entry_keys = {r.key for r in ckpt.rows}
-    _match_model(m, live, ckpt, key_map, ignore, used, entry_keys)
+    a = Side(
+        model=dict(live.model),
+        tied=dict(live.tied),
+        optional={n: "a non-persistent buffer the checkpoint does not hold" for n in live.buffers},
+        adapters=live.adapters,
+    )
+    for n, t in live.buffers.items():
+        a.model.setdefault(n, t)
+    b = _file_side(ckpt)
     if live.optim_state is not None:
-        _match_optimizer(m, live, ckpt, read_objects, key_map, ignore, used, entry_keys)
-    elif ckpt.state:
-        fqns = {r.fqn for r in ckpt.state.values()}
-        m.notes.append(
-            f"the checkpoint holds optimizer state for {len(fqns)} parameter(s); pass "
-            "optimizer= to verify it too"
-        )
-        for r in ckpt.state.values():
-            if r.entry.is_tensor:
-                used.add(r.key)
-                m.rows.append(MappingRow(None, r.key, "ignored", "no optimizer passed"))
-    for r in ckpt.rows:
-        if r.key in used or not r.entry.is_tensor:
-            continue
-        if r.role == "other":
-            m.rows.append(MappingRow(None, r.key, "ignored", "training state, not model/optim"))
-        elif is_ignored(ignore, r.name, r.key):
-            m.rows.append(MappingRow(None, r.key, "ignored", "excluded by the user"))
+        m.findings += [Finding(key, kind, message) for key, kind, message in live.problems]
+        a.state = {
+            (fqn, name): value
+            for fqn, states in live.optim_state.items()
+            for name, value in states.items()
+            if isinstance(value, torch.Tensor)  # non-tensor state (rare): nothing to compare
+        }
+        order = [fqn for g in live.param_groups or [] for fqn in g["params"]]
+        a.order = order
+        if ckpt.id_keyed and b.state:
+            idmap = resolve_ids(ckpt, read_objects, order)
+            if idmap.error:
+                m.findings.append(Finding("optim.state", "error", idmap.error))
+                b.state = {}
+            else:
+                b.state = {(idmap.ids.get(i, i), n): r for (i, n), r in b.state.items()}
+                m.notes.append(
+                    "the checkpoint's optimizer state is keyed by integer ids (a raw "
+                    "optimizer.state_dict()): mapped to parameters in param_groups order"
+                )
+        if not a.state and b.state:
+            # An optimizer without state is reported once (live.problems); its checkpoint
+            # state is then named in the rows only.
+            for r in b.state.values():
+                m.rows.append(MappingRow(None, r.key, "ignored", "the optimizer holds no state"))
+            b.state = {}
+            used_state = {r.key for r in ckpt.state.values()}
         else:
-            m.findings.append(Finding(r.name, "unexpected", "in the checkpoint but not live"))
-            m.rows.append(MappingRow(None, r.key, "unexpected", "not in the live state"))
+            used_state = set()
+    else:
+        used_state = set()
+        if ckpt.state:
+            fqns = {r.fqn for r in ckpt.state.values()}
+            m.notes.append(
+                f"the checkpoint holds optimizer state for {len(fqns)} parameter(s); pass "
+                "optimizer= to verify it too"
+            )
+            for r in ckpt.state.values():
+                if r.entry.is_tensor:
+                    used_state.add(r.key)
+                    m.rows.append(MappingRow(None, r.key, "ignored", "no optimizer passed"))
+        b.state = {}
+    keys_b = ckpt
+    if used_state:
+        keys_b = CheckpointKeys(
+            rows=[r for r in ckpt.rows if r.key not in used_state],
+            model=ckpt.model,
+            adapter=ckpt.adapter,
+        )
+    opt = _Options(key_map, ignore, _LIVE, keys_b, {r.key for r in ckpt.rows}, ckpt.by_name())
+    b.keys = keys_b
+    res = _pair(a, b, opt)
+    for p in res.pairs:
+        m.items.append(LiveItem(p.name, p.fqn, p.a, p.b.key, p.is_state))
+    m.rows += res.rows
+    m.findings += res.findings
+    m.notes += res.notes
+    if live.optim_state is not None and live.param_groups is not None:
+        _match_groups(m, live, ckpt, read_objects)
     note = non_tensor_note(ckpt)
     if note:
         m.notes.append(note)
@@ -464,193 +732,23 @@ def match_live(
     return m
 
 
-def _match_model(
-    m: LiveMatch,
-    live: LiveState,
-    ckpt: CheckpointKeys,
-    key_map: KeyMap | None,
-    ignore: Sequence[str] | None,
-    used: set[str],
-    entry_keys: set[str],
-) -> None:
-    # Tie groups: every name of a tied parameter, first name first.
-    ties: dict[str, list[str]] = {}
-    for dup, first in live.tied.items():
-        ties.setdefault(first, [first]).append(dup)
-    group_of = {n: g for g in ties.values() for n in g}
-    pair = prefix_pair(live.model, ckpt.model)
-    if pair != ("", ""):
-        m.notes.append(
-            f"the checkpoint names model tensors with prefix {pair[1]!r} where the live model has "
-            f"{pair[0] or 'none'!r}: matched that way"
-        )
-    for fqn in sorted(live.model):
-        row = ckpt.model.get(fqn) or ckpt.model.get(with_prefix(pair, fqn))
-        status, reason = "compared", ""
-        if row is None and fqn in group_of:
-            held = [n for n in group_of[fqn] if n in ckpt.model]
-            if held:
-                row, status = ckpt.model[held[0]], "tied"
-                reason = f"tied to {held[0]}, which the checkpoint holds"
-                m.notes.append(f"{fqn} is tied to {held[0]}: checked against {row.key}")
-        default = row.key if row is not None else None
-        _add_item(
-            m,
-            fqn,
-            fqn,
-            live.model[fqn],
-            default,
-            status,
-            reason,
-            key_map,
-            ignore,
-            used,
-            entry_keys,
-            False,
-        )
-
-
-def _add_item(
-    m: LiveMatch,
-    key: str,
-    fqn: str,
-    value: Any,
-    default: str | None,
-    status: str,
-    reason: str,
-    key_map: KeyMap | None,
-    ignore: Sequence[str] | None,
-    used: set[str],
-    entry_keys: set[str],
-    is_state: bool,
-    missing_msg: str = "",
-) -> None:
-    ckpt_key = apply_key_map(key_map, key, default)
-    if is_ignored(ignore, key, ckpt_key):
-        m.rows.append(MappingRow(key, ckpt_key, "ignored", "excluded by the user"))
-        if ckpt_key is not None:
-            used.add(ckpt_key)
-        return
-    if ckpt_key is None:
-        if mapped_to_none(key_map, key):
-            m.rows.append(MappingRow(key, None, "ignored", "key_map maps it to None"))
-            return
-        m.findings.append(
-            Finding(
-                key,
-                "missing",
-                missing_msg
-                or "in the live state but not in the checkpoint; pass key_map if "
-                "the checkpoint names it differently, or ignore= to exclude it",
-            )
-        )
-        m.rows.append(MappingRow(key, None, "missing", "not in the checkpoint"))
-        return
-    if ckpt_key not in entry_keys:
-        m.findings.append(
-            Finding(key, "missing", f"key_map names {ckpt_key!r}, which the checkpoint lacks")
-        )
-        m.rows.append(MappingRow(key, ckpt_key, "missing", "key_map target not in checkpoint"))
-        return
-    used.add(ckpt_key)
-    m.items.append(LiveItem(key, fqn, value, ckpt_key, is_state))
-    m.rows.append(MappingRow(key, ckpt_key, status, reason))
-
-
-def _match_optimizer(
-    m: LiveMatch,
-    live: LiveState,
-    ckpt: CheckpointKeys,
-    read_objects: Callable[[list[str]], dict[str, Any]],
-    key_map: KeyMap | None,
-    ignore: Sequence[str] | None,
-    used: set[str],
-    entry_keys: set[str],
-) -> None:
-    assert live.optim_state is not None and live.param_groups is not None
-    for key, kind, message in live.problems:
-        m.findings.append(Finding(key, kind, message))
-    order = [fqn for g in live.param_groups for fqn in g["params"]]
-    # Checkpoint group id -> its params, in live FQNs.
-    group_params: dict[str, list[str]] = {}
-    to_live: dict[str, str] = {}  # checkpoint's parameter name (FQN or id) -> live FQN
+def _match_groups(m: LiveMatch, live: LiveState, ckpt: CheckpointKeys, read: ReadObjects) -> None:
+    """Each live param group with the checkpoint group holding the same parameters."""
+    assert live.param_groups is not None
+    group_members: dict[str, list[str]] = {}
     if ckpt.groups and not ckpt.groups_by_fqn:
-        params_keys = {g: hp["params"].key for g, hp in ckpt.groups.items() if "params" in hp}
-        saved = read_objects(list(params_keys.values())) if params_keys else {}
-        ordered = sorted(params_keys, key=lambda g: (len(g), g))
+        lists = group_params(ckpt, read) or []
+        ordered = sorted(
+            (g for g, hp in ckpt.groups.items() if "params" in hp), key=lambda g: (len(g), g)
+        )
+        order = [fqn for g in live.param_groups for fqn in g["params"]]
+        ids = {}
         if ckpt.id_keyed:
-            ids = [str(p) for g in ordered for p in saved[params_keys[g]]]
-            if len(ids) != len(order):
-                m.findings.append(
-                    Finding(
-                        "optim.state",
-                        "error",
-                        f"the checkpoint's optimizer state is keyed by integer ids for "
-                        f"{len(ids)} parameters but the live optimizer has {len(order)}: the "
-                        "ids cannot be mapped to parameters",
-                    )
-                )
-            else:
-                to_live = dict(zip(ids, order))
-                m.notes.append(
-                    "the checkpoint's optimizer state is keyed by integer ids (a raw "
-                    "optimizer.state_dict()): mapped to parameters in param_groups order"
-                )
+            idmap = resolve_ids(ckpt, read, order)
+            ids = idmap.ids
         canon = canonicalizer(live.model)
-        for g in ordered:
-            group_params[g] = [to_live.get(str(p), canon(str(p))) for p in saved[params_keys[g]]]
-    if not ckpt.id_keyed:
-        to_live = {fqn: fqn for fqn, _ in ckpt.state}
-    from_live = {v: k for k, v in to_live.items()}
-    for fqn in sorted(live.optim_state):
-        for name in sorted(live.optim_state[fqn]):
-            value = live.optim_state[fqn][name]
-            if not isinstance(value, torch.Tensor):
-                continue  # non-tensor state (rare): nothing to compare element-wise
-            key = optim_key(fqn, name)
-            ck = from_live.get(fqn)
-            row = ckpt.state.get((ck, name)) if ck is not None else None
-            _add_item(
-                m,
-                key,
-                fqn,
-                value,
-                row.key if row else None,
-                "compared",
-                "",
-                key_map,
-                ignore,
-                used,
-                entry_keys,
-                True,
-                f"optimizer state '{name}' of {fqn} is not in the checkpoint",
-            )
-    with_state = set(live.optim_state)
-    for (ck, name), row in sorted(ckpt.state.items()):
-        if row.key in used or not row.entry.is_tensor:
-            continue
-        used.add(row.key)
-        live_fqn = to_live.get(ck)
-        if is_ignored(ignore, row.name, row.key):
-            m.rows.append(MappingRow(None, row.key, "ignored", "excluded by the user"))
-            continue
-        if live_fqn is None:
-            msg = "optimizer state in the checkpoint for a parameter the model does not have"
-            m.findings.append(Finding(row.name, "unexpected", msg))
-            m.rows.append(MappingRow(None, row.key, "unexpected", "no such live parameter"))
-        elif live_fqn not in with_state:
-            msg = (
-                f"the checkpoint has optimizer state '{name}' for {live_fqn} but the optimizer "
-                "holds none for it (not loaded?)"
-            )
-            m.findings.append(Finding(optim_key(live_fqn, name), "missing", msg))
-            m.rows.append(MappingRow(optim_key(live_fqn, name), row.key, "missing", "not live"))
-        else:
-            msg = (
-                f"the checkpoint has optimizer state '{name}' for {live_fqn}; the optimizer has not"
-            )
-            m.findings.append(Finding(optim_key(live_fqn, name), "unexpected", msg))
-            m.rows.append(MappingRow(None, row.key, "unexpected", "state name not live"))
+        for g, ps in zip(ordered, lists):
+            group_members[g] = [ids.get(p, canon(p)) for p in ps]
     for gi, group in enumerate(live.param_groups):
         # param_names (torch >= 2.6 named optimizers) restates params; DCP's flattened form
         # does not save it.
@@ -660,7 +758,7 @@ def _match_optimizer(
             m.groups.append(GroupPair(gi, hps, ckpt.groups.get(head) if head else None))
             continue
         params = set(group["params"])
-        match = next((cg for cg, ps in group_params.items() if set(ps) == params), None)
+        match = next((cg for cg, ps in group_members.items() if set(ps) == params), None)
         m.groups.append(GroupPair(gi, hps, ckpt.groups[match] if match is not None else None))
         if match is None and ckpt.groups:
             m.findings.append(

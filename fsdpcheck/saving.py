@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from fsdpcheck import _version, matching
+from fsdpcheck import _version
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
+from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers
 from fsdpcheck.manifest import Manifest, ManifestEntry, write_manifest
 from fsdpcheck.sources import Source, open_source
@@ -128,7 +129,7 @@ def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> M
         fps: ``fingerprint_report`` of the live model (and optimizer) that was saved.
         world_size: Ranks that saved it.
     """
-    keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+    keys = checkpoint_keys(source)
     by_name = {name: r.key for name, r in keys.by_name().items()}
     entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()

@@ -26,6 +26,7 @@ from fsdpcheck import matching
 from fsdpcheck.box import Box
 from fsdpcheck.collectives import Comm, KeyStats, combine
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
+from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import live_state
 from fsdpcheck.readplan import Arena, row_blocks
@@ -219,7 +220,7 @@ def _prepare(
     live = live_state(model, optimizer)
     source = open_source(reference)
     try:
-        ckpt = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
+        ckpt = checkpoint_keys(source)
         m = matching.match_live(
             live, ckpt, read_objects=source.read_objects, key_map=key_map, ignore=ignore
         )

@@ -68,8 +68,10 @@ def open_source(reference: Any) -> Source:
     info = describe_path(reference)
     sources: list[Source] = []
     try:
-        for part in info.parts:
-            sources.append(open_path(part))
+        for part, role in zip(info.parts, info.roles):
+            source = open_path(part)
+            source.checkpoint, source.role = info, role
+            sources.append(source)
     except BaseException:
         for s in sources:
             s.close()

@@ -10,9 +10,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fsdpcheck.formats.base import CheckpointInfo
 
 #: A storage problem found when opening a source: (key, kind, message); kind is "gap" (a region
 #: of a tensor that no saved chunk covers) or "error" (anything else that makes data unreadable
@@ -169,6 +172,15 @@ class Source(ABC):
     #: copies, with nothing to read ahead, and staging them through host buffers would only
     #: add copies.
     in_memory: bool = False
+    #: The recognised checkpoint this source reads (or a part of it), set by ``open_source``:
+    #: its layout decides the key grammar. None for in-memory references.
+    checkpoint: CheckpointInfo | None = None
+    #: What this part holds: "model", "optimizer", "adapter" or "any" (read by its structure).
+    role: str = "any"
+
+    def parts(self) -> list[Source]:
+        """The sources this one reads as one (itself, unless it merges several)."""
+        return [self]
 
     @abstractmethod
     def entries(self) -> dict[str, Entry]:

@@ -29,6 +29,10 @@ class MergedSource(Source):
                 self._owner[key] = s
                 self._entries[key] = e
 
+    def parts(self) -> list[Source]:
+        """Every source read as one (merged sources inside are flattened)."""
+        return [p for s in self.sources for p in s.parts()]
+
     def entries(self) -> dict[str, Entry]:
         """Every entry of every source."""
         return self._entries

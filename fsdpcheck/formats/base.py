@@ -1,0 +1,236 @@
+"""What every checkpoint layout module provides: recognition, a key grammar, its quirks.
+
+A layout is one writer's way of putting a checkpoint on disk (fsdpcheck.save, torchtitan,
+accelerate, a Hugging Face Trainer folder, ...). Everything fsdpcheck knows about one writer
+lives in its module under ``fsdpcheck/formats/``:
+
+- ``recognize(probe)``: whether a path is this layout's, from file names and small marker files
+  only (never unpickling anything), and what it holds (``CheckpointInfo``: the parts that hold
+  tensors, each with its role, and the side files a resume reads);
+- ``grammar``: how its keys name model tensors, optimizer state and hyperparameters
+  (``KeyGrammar``);
+- ``placeholder(entry)``: entries that stand for values stored elsewhere (DeepSpeed ZeRO-3),
+  which are named as skipped, never compared.
+
+``fsdpcheck.formats.LAYOUTS`` lists them in order of priority; ``describe_path`` asks each in
+turn, the way DCP's ``_storage_setup`` asks each reader class.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import ClassVar
+
+from fsdpcheck.names import WRAPPER_PREFIXES
+
+# Part roles: what a part of a checkpoint holds. "any" parts are read by their own structure.
+ROLES = ("any", "model", "optimizer", "adapter")
+
+# Top-level containers of a nested checkpoint: where writers put the model and the optimizer.
+MODEL_CONTAINERS = frozenset(
+    {"model", "module", "state_dict", "model_state_dict", "model_state", "models"}
+)
+OPTIM_CONTAINERS = frozenset(
+    {"optim", "optimizer", "optimizers", "optimizer_state_dict", "optim_state", "optimizer_states"}
+)
+_NUMBERED_OPTIM = re.compile(r"^(?:optimizer|optim)_(\d+)$")
+_FLAT_STATE = re.compile(r"^state\.(.+)\.([^.]+)$")
+_FLAT_GROUP = re.compile(r"^param_groups\.(.+)\.([^.]+)$")
+
+
+@dataclass(frozen=True)
+class OptimPath:
+    """Where an optimizer entry belongs: ("state" | "group", parameter or group, name, index)."""
+
+    kind: str
+    who: str
+    item: str
+    optimizer: int = 0
+
+
+@dataclass(frozen=True)
+class KeyGrammar:
+    """How a layout's keys name model tensors, optimizer state and hyperparameters.
+
+    Attributes:
+        model_containers: Top-level names under which the model's tensors sit.
+        optim_containers: Top-level names under which optimizer state sits.
+        wrapper_prefixes: Leading components this writer's wrappers put before every model name.
+        state_name_first: Optimizer state is keyed ``state.<name>.<fqn>`` (megatron-core's
+            ``optimizer.state.<state>.<param key>``) instead of ``state.<fqn>.<name>``.
+        flat_names: Keys are single names with dots inside (safetensors); nested paths do not
+            apply.
+    """
+
+    model_containers: frozenset[str] = MODEL_CONTAINERS
+    optim_containers: frozenset[str] = OPTIM_CONTAINERS
+    wrapper_prefixes: tuple[str, ...] = WRAPPER_PREFIXES
+    state_name_first: bool = False
+    flat_names: bool = False
+
+    def optim_path(self, p: tuple[str, ...]) -> OptimPath | None:
+        """The optimizer role of an entry's structural path, or None for anything else."""
+        rest, index = p, 0
+        numbered = _NUMBERED_OPTIM.match(rest[0]) if len(rest) > 1 else None
+        if numbered:  # optimizer_<i>: Lightning's ModelParallelStrategy saves optimizer i there
+            index, rest = int(numbered.group(1)), rest[1:]
+        elif len(rest) > 1 and rest[0] in self.optim_containers:
+            rest = rest[1:]
+            if len(rest) > 1 and rest[0].isdigit():  # a list of optimizers (Lightning .ckpt)
+                index, rest = int(rest[0]), rest[1:]
+        elif len(rest) == 1 and "." in rest[0]:
+            head, _, tail = rest[0].partition(".")
+            if head in self.optim_containers:
+                rest = (tail,)
+        if len(rest) == 3 and rest[0] in ("state", "param_groups"):
+            kind = "state" if rest[0] == "state" else "group"
+            who, item = rest[1], rest[2]
+            if kind == "state" and self.state_name_first:
+                who, item = item, who
+            return OptimPath(kind, who, item, index)
+        if len(rest) == 1:
+            if self.state_name_first and rest[0].startswith("state."):
+                item, _, who = rest[0][len("state.") :].partition(".")
+                if item and who:
+                    return OptimPath("state", who, item, index)
+                return None
+            m = _FLAT_STATE.match(rest[0])
+            if m:
+                return OptimPath("state", m.group(1), m.group(2), index)
+            m = _FLAT_GROUP.match(rest[0])
+            if m:
+                return OptimPath("group", m.group(1), m.group(2), index)
+        return None
+
+    def top(self, p: tuple[str, ...]) -> str:
+        """The top-level container an entry sits in ("" when flat or in none)."""
+        if len(p) > 1 and (
+            p[0] in self.model_containers
+            or p[0] in self.optim_containers
+            or _NUMBERED_OPTIM.match(p[0])
+        ):
+            return p[0]
+        return ""
+
+
+DEFAULT_GRAMMAR = KeyGrammar()
+
+
+@dataclass
+class CheckpointInfo:
+    """A recognised checkpoint.
+
+    Attributes:
+        path: The path given.
+        layout: The name of one of ``fsdpcheck.formats.LAYOUTS``.
+        kind: "sharded" (DCP chunks) or "full" (whole tensors).
+        description: One line for humans.
+        parts: The files or DCP directories that hold its tensors (model first).
+        notes: What is not read (e.g. DeepSpeed's flattened optimizer partitions).
+        roles: Each part's role ("model", "optimizer", "adapter" or "any": read by its own
+            structure), parallel to `parts`.
+        training: Files of training state beside the tensors (scheduler, RNG, trainer state):
+            named in notes, never read.
+    """
+
+    path: Path
+    layout: str
+    kind: str
+    description: str
+    parts: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    training: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.roles:
+            self.roles = ["any"] * len(self.parts)
+        if len(self.roles) != len(self.parts) or any(r not in ROLES for r in self.roles):
+            raise ValueError(f"roles {self.roles} do not fit parts {self.parts}")
+
+
+class Probe:
+    """A path under recognition: its type and (for a directory) its names, read once."""
+
+    def __init__(self, path: Path, st: os.stat_result) -> None:
+        self.path = path
+        self.is_dir = stat.S_ISDIR(st.st_mode)
+
+    @cached_property
+    def names(self) -> set[str]:
+        """Names in the directory (empty for a file)."""
+        return {q.name for q in listdir(self.path)} if self.is_dir else set()
+
+    @cached_property
+    def is_dcp(self) -> bool:
+        """Whether the path is a DCP checkpoint directory."""
+        return self.is_dir and is_dcp_dir(self.path)
+
+    def has_file(self, name: str) -> bool:
+        """Whether the directory holds a regular file (or a link to one) of that name."""
+        return name in self.names and (self.path / name).is_file()
+
+
+class CheckpointLayout:
+    """One writer's checkpoint layout (see the module docstring)."""
+
+    #: The layout's name (``CheckpointInfo.layout``).
+    name: ClassVar[str] = ""
+    #: How its keys name things.
+    grammar: ClassVar[KeyGrammar] = DEFAULT_GRAMMAR
+
+    def recognize(self, probe: Probe) -> CheckpointInfo | None:
+        """The CheckpointInfo when `probe` is this layout's, else None.
+
+        Raises:
+            ValueError: It is this layout's but not usable as given (the message says what to
+                pass instead, e.g. one step folder of a torchtitan run).
+        """
+        del probe
+        return None
+
+    def placeholder(self, info: CheckpointInfo, shape: tuple[int, ...]) -> str | None:
+        """Why a model entry of this shape stands for values stored elsewhere, or None."""
+        del info, shape
+        return None
+
+
+def is_dcp_dir(path: Path) -> bool:
+    """Whether `path` is a DCP checkpoint directory (it holds a ``.metadata`` of any type).
+
+    A ``.metadata`` that is not a regular file (or a dangling link) still marks the directory,
+    so that opening it refuses the file with a clear line instead of treating the directory as
+    something else.
+    """
+    try:
+        return path.is_dir() and os.path.lexists(path / ".metadata")
+    except OSError:
+        return False
+
+
+def listdir(p: Path) -> list[Path]:
+    """The directory's entries, sorted; an unreadable directory is a ValueError (one line)."""
+    try:
+        return sorted(p.iterdir())
+    except OSError as exc:
+        raise ValueError(f"cannot list {p}: {exc.strerror or exc}") from None
+
+
+def side_file_note(p: Path, name: str, what: str) -> list[str]:
+    """A note naming a file of non-tensor state beside the tensors (read by nothing here)."""
+    if (p / name).exists():
+        return [f"{name} holds {what}: not read (fsdpcheck reads tensors, and runs no pickle)"]
+    return []
+
+
+def training_note(files: list[Path]) -> list[str]:
+    """A note naming the training-state files beside a checkpoint's tensors."""
+    if not files:
+        return []
+    names = ", ".join(f.name for f in files)
+    return [f"training state not compared (no tensors fsdpcheck checks): {names}"]

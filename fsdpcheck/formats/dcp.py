@@ -1,0 +1,18 @@
+"""Plain DCP directories (``torch.distributed.checkpoint.save`` with any state dict)."""
+
+from __future__ import annotations
+
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+
+
+class Dcp(CheckpointLayout):
+    """Any DCP directory no more specific layout claimed."""
+
+    name = "dcp"
+
+    def recognize(self, probe: Probe) -> CheckpointInfo | None:
+        """A directory holding ``.metadata``."""
+        if not probe.is_dcp:
+            return None
+        p = probe.path
+        return CheckpointInfo(p, self.name, "sharded", f"a DCP checkpoint directory ({p})", [p])

@@ -1,0 +1,21 @@
+"""fsdpcheck.save: a DCP directory with fsdpcheck's manifest beside the chunks."""
+
+from __future__ import annotations
+
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.manifest import MANIFEST_NAME
+
+
+class Native(CheckpointLayout):
+    """``fsdpcheck.save``: model under ``model.``, optimizer under ``optim.``, a manifest."""
+
+    name = "fsdpcheck"
+
+    def recognize(self, probe: Probe) -> CheckpointInfo | None:
+        """A DCP directory holding ``fsdpcheck_manifest.json``."""
+        p = probe.path
+        if not probe.is_dcp or not (p / MANIFEST_NAME).exists():
+            return None
+        return CheckpointInfo(
+            p, self.name, "sharded", f"a DCP checkpoint written by fsdpcheck.save ({p})", [p]
+        )

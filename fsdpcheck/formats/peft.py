@@ -1,0 +1,38 @@
+"""PEFT adapters: ``adapter_config.json`` + ``adapter_model.safetensors`` (or ``.bin``).
+
+An adapter file holds only the adapter's weights, named as the live PEFT model names them with
+the adapter's name removed (``...lora_A.weight`` for the live ``...lora_A.default.weight``);
+the frozen base weights are not in it. The pairing (``matching``) puts the adapter name back
+and names the base weights as not in an adapter file.
+"""
+
+from __future__ import annotations
+
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+
+_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+class Peft(CheckpointLayout):
+    """A PEFT ``save_pretrained`` folder, or its adapter file."""
+
+    name = "peft"
+
+    def recognize(self, probe: Probe) -> CheckpointInfo | None:
+        """A folder with ``adapter_config.json`` and an adapter file, or that file."""
+        p = probe.path
+        if not probe.is_dir:
+            if p.name in _FILES and (p.parent / "adapter_config.json").is_file():
+                return CheckpointInfo(
+                    p, self.name, "full", f"a PEFT adapter ({p.name})", [p], roles=["adapter"]
+                )
+            return None
+        if probe.is_dcp or not probe.has_file("adapter_config.json"):
+            return None
+        for name in _FILES:
+            if probe.has_file(name):
+                return CheckpointInfo(
+                    p, self.name, "full", f"a PEFT adapter folder ({name})", [p / name],
+                    roles=["adapter"],
+                )  # fmt: skip
+        raise ValueError(f"{p} holds adapter_config.json but no {' or '.join(_FILES)}")
