@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
-from fsdpcheck.formats import KeyGrammar, describe_path, grammar_of, is_dcp_dir
-from fsdpcheck.keys import CheckpointKeys, checkpoint_keys, keys_from_entries
+from fsdpcheck.formats import CheckpointInfo, KeyGrammar, describe_path, grammar_of, is_dcp_dir
+from fsdpcheck.keys import CheckpointKeys, checkpoint_keys, keys_from_entries, merge_into
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.names import optim_key
 from fsdpcheck.report import Finding, Report, describe_error, normalized
-from fsdpcheck.sources import open_path
+from fsdpcheck.sources import open_part
 from fsdpcheck.sources.base import Entry
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
@@ -56,15 +55,21 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
     findings: list[Finding] = []
     notes: list[str] = list(info.notes)
     checked = 0
-    for part in info.parts:
+    whole = CheckpointKeys()
+    for index, part in enumerate(info.parts):
         prefix = "" if len(info.parts) == 1 else part.name + "/"
         try:
             if is_dcp_dir(part):
-                checked += _audit_dcp(part, findings, notes, deep, prefix, grammar_of(info.layout))
+                n, keys = _audit_dcp(
+                    part, findings, notes, deep, prefix, grammar_of(info.layout), info.roles[index]
+                )
             else:
-                checked += _audit_file(part, findings, prefix, info.layout)
+                n, keys = _audit_file(info, index, findings, prefix)
+            checked += n
+            merge_into(whole, keys)
         except Exception as exc:  # a checkpoint too broken to read is a finding about it
             findings.append(Finding(prefix + "*", "error", describe_error(exc)))
+    _audit_optimizer(whole, findings, notes)
     return Report(
         findings=normalized(findings),
         reference=f"the structure of {info.path} ({info.layout})",
@@ -81,7 +86,8 @@ def _audit_dcp(
     deep: bool,
     prefix: str,
     grammar: KeyGrammar,
-) -> int:
+    role: str,
+) -> tuple[int, CheckpointKeys]:
     # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata).
     from fsdpcheck.sources.dcp_metadata import (
         check_storage,
@@ -99,49 +105,67 @@ def _audit_dcp(
         key: Entry(key, paths[key], is_tensor=is_tensor_meta(meta))
         for key, meta in md.state_dict_metadata.items()
     }
-    _audit_optimizer(keys_from_entries(entries, grammar=grammar), findings, prefix)
+    keys = keys_from_entries(entries, grammar=grammar, role=role)
     try:
         _audit_manifest(p, md, findings, notes, deep, prefix)
     except Exception as exc:  # a malformed manifest is a finding about the manifest
         findings.append(Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc)))
-    return tensors
+    return tensors, keys
 
 
-def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], prefix: str) -> None:
-    """Optimizer state complete: the same state names everywhere, a step, none lazily missing."""
+def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], notes: list[str]) -> None:
+    """Optimizer state that cannot be legitimate is a finding; state that may be, a note.
+
+    A parameter with no state at all is what frozen parameters, and parameters the loss never
+    reached, look like after a step: named in a note. What no optimizer writes is a finding:
+    a parameter with some of its optimizer's state names and not others, Adam moments without
+    a ``step``, and state for a parameter the checkpoint's model does not have.
+    """
     if not c.state:
         return
-    names: dict[str, set[str]] = {}
-    for fqn, name in c.state:
-        names.setdefault(fqn, set()).add(name)
-    everyone = set().union(*names.values())
-    for fqn, have in sorted(names.items()):
-        lacking = sorted(everyone - have)
+    names: dict[tuple[int, str], set[str]] = {}
+    for (fqn, name), r in c.state.items():
+        names.setdefault((r.optimizer, fqn), set()).add(name)
+    per_optimizer: dict[int, set[str]] = {}
+    for (index, _), have in names.items():
+        per_optimizer.setdefault(index, set()).update(have)
+    for (index, fqn), have in sorted(names.items()):
+        lacking = sorted(per_optimizer[index] - have)
         if lacking:
             findings.append(
                 Finding(
-                    prefix + optim_key(fqn, lacking[0]),
+                    optim_key(fqn, lacking[0]),
                     "missing",
-                    f"optimizer state of {fqn} lacks {lacking} that other parameters have",
+                    f"optimizer state of {fqn} has {sorted(have)} but lacks {lacking}, which "
+                    "other parameters of the same optimizer have",
                 )
             )
-    if "step" not in everyone:
-        findings.append(
-            Finding(prefix + "optim.state", "missing", "no parameter has a 'step' in its state")
-        )
-    with_state = set(names)
-    # By integer ids, state cannot be told apart by name: count instead.
-    lazy = [] if c.id_keyed else sorted(fqn for fqn in c.model if fqn not in with_state)
-    if c.id_keyed and c.model and len(with_state) < len(c.model):
-        lazy = [f"{len(c.model) - len(with_state)} of {len(c.model)} parameters"]
-    if lazy and with_state:
+        elif "step" not in have and have & {"exp_avg", "exp_avg_sq"}:
+            findings.append(
+                Finding(
+                    optim_key(fqn, "step"),
+                    "missing",
+                    f"Adam moments {sorted(have & {'exp_avg', 'exp_avg_sq'})} of {fqn} without "
+                    "a 'step' (bias correction cannot resume)",
+                )
+            )
+    if c.id_keyed or not c.model:
+        return
+    with_state = {fqn for _, fqn in names}
+    for fqn in sorted(with_state - set(c.model)):
         findings.append(
             Finding(
-                prefix + "optim.state",
-                "missing",
-                f"{len(lazy)} parameter(s) have no optimizer state while {len(with_state)} do "
-                f"(state created lazily and never saved?): {lazy[:5]}",
+                optim_key(fqn, sorted(names[next(k for k in names if k[1] == fqn)])[0]),
+                "unexpected",
+                f"optimizer state for {fqn}, which the checkpoint's model does not have",
             )
+        )
+    stateless = sorted(fqn for fqn in c.model if fqn not in with_state)
+    if stateless:
+        shown = ", ".join(stateless[:5]) + (", ..." if len(stateless) > 5 else "")
+        notes.append(
+            f"{len(stateless)} model tensor(s) have no optimizer state (frozen or unused "
+            f"parameters, or buffers): {shown}"
         )
 
 
@@ -189,25 +213,18 @@ def _audit_manifest(
         )
 
 
-def _audit_file(p: Path, findings: list[Finding], prefix: str, layout: str) -> int:
-    source = open_path(p)
+def _audit_file(
+    info: CheckpointInfo, index: int, findings: list[Finding], prefix: str
+) -> tuple[int, CheckpointKeys]:
+    source = open_part(info, index)
     try:
         for key, kind, message in source.problems():
             findings.append(Finding(prefix + key, kind, message))
         keys = checkpoint_keys(source)
-        _audit_optimizer(keys, findings, prefix)
-        if layout == "deepspeed":
-            for r in keys.model.values():
-                if math.prod(r.entry.shape) == 0 and len(r.entry.shape) > 0:
-                    findings.append(
-                        Finding(
-                            prefix + r.name,
-                            "skipped",
-                            f"an empty placeholder {r.entry.shape}: DeepSpeed ZeRO-3 keeps the "
-                            "values in its optimizer partitions (consolidate with "
-                            "zero_to_fp32.py and audit the result)",
-                        )
-                    )
-        return sum(e.is_tensor for e in source.entries().values())
+        for r in keys.model.values():
+            held = keys.placeholders.get(r.key)
+            if held is not None:
+                findings.append(Finding(prefix + r.name, "skipped", held))
+        return sum(e.is_tensor for e in source.entries().values()), keys
     finally:
         source.close()

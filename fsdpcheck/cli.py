@@ -166,6 +166,20 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="exclude names or keys matching this fnmatch pattern (repeatable)",
     )
+    p.add_argument(
+        "--key-map",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="pair actual's names starting with OLD as expected's with NEW (repeatable; e.g. "
+        "'model.=' drops a Lightning module's prefix)",
+    )
+    p.add_argument(
+        "--no-check-dtype",
+        dest="check_dtype",
+        action="store_false",
+        help="a dtype difference is a note, not a finding (a conversion: give --rtol/--atol)",
+    )
     p.add_argument("--show-mapping", action="store_true", help="print how tensors were paired")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--memory-budget", type=_size, default=1 << 30, help="bytes, e.g. 2G, 512M")
@@ -261,11 +275,15 @@ def _compare(args: argparse.Namespace) -> int:
     from fsdpcheck.comparison import compare_checkpoints
 
     bar = sys.stderr.isatty() and not args.json
+    from fsdpcheck.matching import prefix_rules
+
     report = compare_checkpoints(
         args.actual,
         args.expected,
         rtol=args.rtol,
         atol=args.atol,
+        check_dtype=args.check_dtype,
+        key_map=prefix_rules(args.key_map) if args.key_map else None,
         ignore=args.ignore,
         device=args.device,
         memory_budget=args.memory_budget,

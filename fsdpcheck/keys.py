@@ -123,11 +123,12 @@ def checkpoint_keys(source: Source) -> CheckpointKeys:
                 if why is not None:
                     keys.placeholders[r.key] = why
         keys.layouts = [layout] if layout else []
-        _merge(out, keys)
+        merge_into(out, keys)
     return out
 
 
-def _merge(out: CheckpointKeys, keys: CheckpointKeys) -> None:
+def merge_into(out: CheckpointKeys, keys: CheckpointKeys) -> None:
+    """Adds one part's keys to `out` (the parts of one checkpoint)."""
     out.rows += keys.rows
     out.model.update(keys.model)
     out.state.update(keys.state)
@@ -305,6 +306,7 @@ __all__ = [
     "checkpoint_keys",
     "group_params",
     "keys_from_entries",
+    "merge_into",
     "non_tensor_note",
     "resolve_ids",
 ]

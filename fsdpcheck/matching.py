@@ -291,14 +291,14 @@ def _pair(a: Side, b: Side, opt: _Options) -> _Result:
                 reason = f"tied to {held[0]}, which {w.b} holds"
                 out.notes.append(f"{name} is tied to {held[0]}: checked against {target.key}")
         if target is None and not _user_mapped(opt, name):
+            if name in a.optional:
+                out.rows.append(MappingRow(name, None, "ignored", a.optional[name]))
+                continue
             if adapter is not None and adapter(name) == name:
                 base_weights += 1
                 out.rows.append(
                     MappingRow(name, None, "ignored", "base weight, not in an adapter file")
                 )
-                continue
-            if name in a.optional:
-                out.rows.append(MappingRow(name, None, "ignored", a.optional[name]))
                 continue
         _add(out, opt, used, name, name, a.model[name], target, status, reason, False)
     if base_weights:
@@ -726,7 +726,7 @@ def match_live(
     note = non_tensor_note(ckpt)
     if note:
         m.notes.append(note)
-    m.keys_a = len(live.tensors())
+    m.keys_a = len(live.tensors()) + len(live.buffers)
     m.keys_b = len(ckpt.tensors())
     m.rows.sort(key=lambda r: r.a or r.b or "")
     return m

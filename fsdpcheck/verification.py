@@ -31,7 +31,7 @@ from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import live_state
 from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
-from fsdpcheck.sources import Region, Source, open_source
+from fsdpcheck.sources import Region, Source, checkpoint_notes, open_source
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.tolerances import tolerance
@@ -53,6 +53,7 @@ class _Work:
 @dataclass
 class _Prepared:
     source: Source
+    keys: matching.CheckpointKeys
     match: matching.LiveMatch
     layouts: list[Layout | None]  # per match item; None: not compared on this rank
     findings: list[Finding] = field(default_factory=list)
@@ -177,7 +178,7 @@ def verify(
     report.elements_checked = sum(c.counts["numel"] for c in combined)
     report.bytes_read = sum(b for _, b, _ in extras)
     report.seconds = max(s for _, _, s in extras)
-    report.notes = list(m.notes)
+    report.notes = list(m.notes) + checkpoint_notes(prepared.source)
     _close(prepared)
     return report
 
@@ -224,7 +225,7 @@ def _prepare(
         m = matching.match_live(
             live, ckpt, read_objects=source.read_objects, key_map=key_map, ignore=ignore
         )
-        prepared = _Prepared(source, m, [])
+        prepared = _Prepared(source, ckpt, m, [])
         _check_keys(prepared, live.requires_grad, check_dtype, comm.world)
     except BaseException:
         source.close()
@@ -256,16 +257,9 @@ def _check_keys(
         if lay.error is not None:
             p.findings.append(Finding(item.key, "layout", lay.error))
             continue
-        if math.prod(entry.shape) == 0 and math.prod(lay.global_shape) > 0:
-            p.findings.append(
-                Finding(
-                    item.key,
-                    "skipped",
-                    f"the checkpoint holds an empty placeholder {entry.shape} for a tensor of "
-                    f"shape {lay.global_shape} (DeepSpeed ZeRO-3 keeps the values in its "
-                    "optimizer partitions: consolidate with zero_to_fp32.py and verify that)",
-                )
-            )
+        held = p.keys.placeholders.get(item.ckpt_key)
+        if held is not None and math.prod(lay.global_shape) > 0:
+            p.findings.append(Finding(item.key, "skipped", held))
             continue
         if lay.global_shape != entry.shape:
             p.findings.append(

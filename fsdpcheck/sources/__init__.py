@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.formats import describe_path
+from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.sources.base import CheckpointError, Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
@@ -23,6 +23,8 @@ __all__ = [
     "MergedSource",
     "Region",
     "Source",
+    "checkpoint_notes",
+    "open_part",
     "open_path",
     "open_source",
     "refuse_problems",
@@ -68,10 +70,8 @@ def open_source(reference: Any) -> Source:
     info = describe_path(reference)
     sources: list[Source] = []
     try:
-        for part, role in zip(info.parts, info.roles):
-            source = open_path(part)
-            source.checkpoint, source.role = info, role
-            sources.append(source)
+        for i in range(len(info.parts)):
+            sources.append(open_part(info, i))
     except BaseException:
         for s in sources:
             s.close()
@@ -79,6 +79,23 @@ def open_source(reference: Any) -> Source:
     if len(sources) == 1:
         return sources[0]
     return MergedSource(sources, info.description)
+
+
+def checkpoint_notes(source: Source) -> list[str]:
+    """The notes of the recognised checkpoint(s) a source reads (what is not read, ...)."""
+    out: list[str] = []
+    for part in source.parts():
+        for note in part.checkpoint.notes if part.checkpoint is not None else []:
+            if note not in out:
+                out.append(note)
+    return out
+
+
+def open_part(info: CheckpointInfo, index: int) -> Source:
+    """Part `index` of a recognised checkpoint, knowing its layout and role (its key grammar)."""
+    source = open_path(info.parts[index])
+    source.checkpoint, source.role = info, info.roles[index]
+    return source
 
 
 def open_path(path: Path) -> Source:
