@@ -1,8 +1,14 @@
-"""Where each rank's local data sits in the global tensor: DTensor, ShardedTensor, plain tensor."""
+"""Where each rank's local data sits in the global tensor.
+
+DTensor, ShardedTensor, a DeepSpeed ZeRO-3 partitioned parameter, or a plain tensor.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,7 +56,8 @@ def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
     """The layout of one live value on this rank.
 
     Args:
-        value: A DTensor, a ShardedTensor or a plain tensor.
+        value: A DTensor, a ShardedTensor, a DeepSpeed ZeRO-3 parameter (one that carries
+            ``ds_*`` attributes) or a plain tensor.
         world_size: Ranks in the job (plain tensors are replicas when it is above 1).
 
     Returns:
@@ -60,6 +67,8 @@ def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
         return _dtensor_layout(value)
     if _compat.is_sharded_tensor(value):
         return _sharded_tensor_layout(value)
+    if is_zero3(value):
+        return _zero3_layout(value, world_size)
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
         return Layout(
@@ -158,3 +167,179 @@ def _sharded_tensor_layout(value: torch.Tensor) -> Layout:
     device = shards[0].tensor.device if shards else torch.device("cpu")
     pieces = [Piece(s.tensor, Box(shape, tuple(s.metadata.shard_offsets))) for s in shards]
     return Layout(shape, dtype, device, pieces, description="ShardedTensor")
+
+
+# -------------------------------------------------------------------------------------------
+# NOTE: [ZeRO-3 partitions] DeepSpeed ZeRO-3 flattens each parameter and splits the flat
+# tensor, padded to a multiple of the data-parallel world W, into W equal partitions: the rank
+# of rank k in the parameter's ``ds_process_group`` holds ``param.ds_tensor``, the flat elements
+# [k * p, (k + 1) * p) with p = ``ds_tensor.numel()``, those past ``ds_numel`` being padding
+# (DeepSpeed 0.19.8, ``Init._partition_param``). ``param.data`` is an empty placeholder unless
+# the parameter happens to be gathered (``ds_status``), so the partition is read, never gathered.
+# A flat range of the row-major index is what the kernels index by, so it is cut into boxes of
+# the global tensor (``flat_range_boxes``), one Piece each. Nothing here imports deepspeed: the
+# group is a torch process group, asked through torch.distributed as DeepSpeed itself does.
+_ZERO3_ATTRS = ("ds_tensor", "ds_numel", "ds_shape", "ds_process_group")
+_ZERO3_INSTEAD = (
+    "verify the consolidated weights instead (zero_to_fp32.py output, or a state dict of the "
+    "parameters gathered with deepspeed.zero.GatheredParameters)"
+)
+
+
+def is_zero3(value: object) -> bool:
+    """Whether a value is a DeepSpeed ZeRO-3 parameter (it carries ``ds_*`` attributes)."""
+    return any(hasattr(value, a) for a in _ZERO3_ATTRS)
+
+
+def flat_range_boxes(
+    shape: Sequence[int], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes of a tensor of ``shape`` whose elements are the row-major range [start, stop).
+
+    A partial first row, whole rows, a partial last row, recursively by dim: at most
+    ``2 * (ndim - 1) + 1`` boxes, none empty, in order; each box's own row-major order is a
+    contiguous run of the range.
+
+    Args:
+        shape: The global shape.
+        start: The first global linear index of the range.
+        stop: One past the last.
+
+    Returns:
+        (offset, size) of each box, in increasing linear index.
+
+    Raises:
+        ValueError: When the range is not inside the tensor.
+    """
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"range [{start}, {stop}) is not inside a tensor of shape {shape}")
+    if start == stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    rest = shape[1:]
+    inner = numel // shape[0]  # > 0: the range is not empty
+
+    def within(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(rest, a, b)]
+
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        return within(first, start - first * inner, stop - first * inner)
+    out = []
+    lo, hi = first, last + 1  # the whole rows
+    if start % inner:
+        out += within(first, start % inner, inner)
+        lo += 1
+    if stop % inner:
+        hi -= 1
+    if hi > lo:
+        out.append(((lo,) + (0,) * len(rest), (hi - lo, *rest)))
+    if stop % inner:
+        out += within(last, 0, stop % inner)
+    return out
+
+
+def partition_layout(
+    shape: tuple[int, ...],
+    partition: torch.Tensor,
+    index: int,
+    world: int,
+    world_size: int = 1,
+    description: str = "flat partition",
+) -> Layout:
+    """The layout of partition `index` of `world` equal flat partitions of a tensor of `shape`.
+
+    Args:
+        shape: The global shape.
+        partition: This rank's 1-D partition (its tail past the tensor's end is padding).
+        index: The partition's index (the rank in the group the tensor is partitioned over).
+        world: The number of partitions.
+        world_size: Ranks in the job: above `world`, each partition has copies elsewhere.
+        description: The layout in words, for messages.
+    """
+    numel = math.prod(shape)
+    layout = Layout(shape, partition.dtype, partition.device, description=description)
+    layout.replicated = world_size > world
+    size = partition.numel()
+    if partition.dim() != 1 or not 0 <= index < world or size * world < numel:
+        layout.error = (
+            f"{description}: a partition of shape {tuple(partition.shape)} as number {index} of "
+            f"{world} does not tile the {numel} elements of a tensor of shape {shape}"
+        )
+        return layout
+    start = min(index * size, numel)
+    at = 0
+    for offset, box_size in flat_range_boxes(shape, start, min(start + size, numel)):
+        n = math.prod(box_size)
+        layout.pieces.append(Piece(partition.narrow(0, at, n).view(box_size), Box(shape, offset)))
+        at += n
+    return layout
+
+
+def _zero3_layout(value: Any, world_size: int) -> Layout:
+    error = zero3_problem(value)
+    if error is not None:
+        shape = tuple(int(s) for s in getattr(value, "ds_shape", None) or value.shape)
+        desc = "DeepSpeed ZeRO-3 partition"
+        return Layout(shape, value.dtype, value.device, description=desc, error=error)
+    group = value.ds_process_group
+    index, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    return partition_layout(
+        tuple(int(s) for s in value.ds_shape),
+        value.ds_tensor,
+        index,
+        world,
+        world_size,
+        f"DeepSpeed ZeRO-3 partition {index} of {world}",
+    )
+
+
+def zero3_problem(value: Any) -> str | None:
+    """Why a ZeRO-3 parameter's partition cannot be read (NOTE: [ZeRO-3 partitions]), or None.
+
+    Args:
+        value: A parameter for which ``is_zero3`` holds.
+
+    Returns:
+        One line naming what is missing and what to verify instead, or None when it can be read.
+    """
+    what = "a DeepSpeed ZeRO-3 parameter"
+    missing = [a for a in _ZERO3_ATTRS if not hasattr(value, a)]
+    if missing:
+        return (
+            f"{what} without {', '.join(missing)} (another DeepSpeed version?): its partition "
+            f"cannot be located; {_ZERO3_INSTEAD}"
+        )
+    part = value.ds_tensor
+    if not isinstance(part, torch.Tensor):
+        return f"{what} that is not partitioned (ds_tensor is None); {_ZERO3_INSTEAD}"
+    if hasattr(part, "ds_quant_scale"):
+        return f"{what} whose partition is quantized (ds_quant_scale); {_ZERO3_INSTEAD}"
+    status = getattr(getattr(part, "status", None), "name", "AVAILABLE")
+    if status != "AVAILABLE":
+        return f"{what} whose partition is not in memory ({status}: NVMe?); {_ZERO3_INSTEAD}"
+    shape = tuple(int(s) for s in value.ds_shape)
+    if math.prod(shape) != int(value.ds_numel):
+        return f"{what} with ds_shape {shape} but ds_numel {value.ds_numel}; {_ZERO3_INSTEAD}"
+    said = int(getattr(part, "ds_numel", part.numel()))
+    if said != part.numel():
+        return (
+            f"{what} whose partition holds {part.numel()} elements but says ds_numel {said}; "
+            + _ZERO3_INSTEAD
+        )
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return f"{what} but torch.distributed is not initialized; {_ZERO3_INSTEAD}"
+    try:
+        index = torch.distributed.get_rank(value.ds_process_group)
+    except Exception as exc:  # a group object torch does not know (another comm backend)
+        first = str(exc).strip().splitlines()[:1]
+        return (
+            f"{what} whose ds_process_group torch.distributed cannot read "
+            f"({type(exc).__name__}: {''.join(first)}); {_ZERO3_INSTEAD}"
+        )
+    if index < 0:
+        return f"{what} partitioned over a process group this rank is not in; {_ZERO3_INSTEAD}"
+    return None

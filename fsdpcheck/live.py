@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fsdpcheck import names
+from fsdpcheck.layout import is_zero3, zero3_problem
 
 __all__ = ["LiveState", "flat_live", "inner_optimizers", "live_state", "model_canonicalizer"]
 
@@ -82,6 +83,7 @@ def live_state(
         raw = {k: v for k, v in sd.items() if _is_tensor(v)}
         canon = model_canonicalizer(model)
         out.model = {canon(k): v for k, v in raw.items()}
+        out.model.update(_zero3_parameters(model, canon, out.model, optimizer))
         out.buffers = _non_persistent(model, canon, out.model)
         out.adapters = _adapter_names(model)
         first: dict[int, str] = {}
@@ -154,6 +156,42 @@ def model_canonicalizer(model: torch.nn.Module) -> Any:
     every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     every += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     return names.canonicalizer(every)
+
+
+def _zero3_parameters(
+    model: torch.nn.Module, canon: Any, live: Mapping[str, Any], optimizer: Any
+) -> dict[str, torch.nn.Parameter]:
+    """The DeepSpeed ZeRO-3 parameters among `live`'s names: the Parameters themselves.
+
+    NOTE: [ZeRO-3 live] A ZeRO-3 module's state dict holds ``param.detach()``: an empty
+    placeholder (or, for a gathered parameter, a full copy) without the ``ds_*`` attributes
+    that locate the rank's partition, which ``layout`` reads from the Parameter (NOTE: [ZeRO-3
+    partitions]). A parameter whose partition cannot be read, or an optimizer (ZeRO-3 keeps its
+    state in flat partitions that are not per-parameter tensors), refuses the call in one line
+    rather than one finding per parameter.
+
+    Raises:
+        TypeError: Naming what to pass instead.
+    """
+    found = {
+        canon(n): p
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if is_zero3(p) and canon(n) in live
+    }
+    if not found:
+        return found
+    if optimizer is not None:
+        raise TypeError(
+            "DeepSpeed ZeRO-3 keeps the optimizer state in flat partitions that fsdpcheck does "
+            "not map to parameters, so it cannot be verified: call without optimizer= to "
+            "verify the model"
+        )
+    problems = [(k, zero3_problem(p)) for k, p in sorted(found.items())]
+    bad = [(k, why) for k, why in problems if why is not None]
+    if bad:
+        more = f" (and {len(bad) - 1} more parameter(s))" if len(bad) > 1 else ""
+        raise TypeError(f"{bad[0][0]}{more}: {bad[0][1]}")
+    return found
 
 
 def _is_tensor(v: Any) -> bool:

@@ -9,6 +9,7 @@ Adam moments.
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -30,35 +31,46 @@ def _mlp() -> torch.nn.Module:
 def _import_deepspeed() -> Any:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    import deepspeed.comm.torch as ds_torch_comm
 
     # DeepSpeed JIT-compiles a shared-memory allreduce op for CPU ranks on first use (about a
     # minute on two cores, C++ toolchain needed); gloo's allreduce is all these tests need.
-    ds_torch_comm.build_shm_op = lambda: None
+    # The module from sys.modules: `import deepspeed.comm.torch as m` binds deepspeed.comm's
+    # attribute `torch`, which is torch itself.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     return deepspeed
 
 
 def train(stage: int, rank: int) -> Any:
     """A DeepSpeed engine at ZeRO `stage` after one AdamW step (torch's AdamW, no custom op)."""
+    g = torch.Generator().manual_seed(rank)
+    return make_engine(_mlp(), stage, torch.randn(2, 8, generator=g))
+
+
+def make_engine(model: torch.nn.Module, stage: int, batch: torch.Tensor, **zero: Any) -> Any:
+    """`model` in a DeepSpeed engine at ZeRO `stage`, after one AdamW step on `batch`.
+
+    Args:
+        model: The module to wrap.
+        stage: The ZeRO stage.
+        batch: This rank's input of the one step (2 samples).
+        **zero: More ``zero_optimization`` settings (``stage3_param_persistence_threshold=0``
+            partitions every ZeRO-3 parameter, however small).
+    """
     deepspeed = _import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")
-    model = _mlp()
     config = {
-        "train_batch_size": 4,
+        "train_batch_size": 2 * torch.distributed.get_world_size(),
         "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **zero},
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True},
         },
     }
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
-    g = torch.Generator().manual_seed(rank)
-    engine.backward(engine(torch.randn(2, 8, generator=g)).pow(2).mean())
-    engine.step()
-    return engine
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    eng.backward(eng(batch).pow(2).mean())
+    eng.step()
+    return eng
 
 
 def _full_params(engine: Any, stage: int) -> dict[str, torch.Tensor]:
