@@ -69,7 +69,7 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
             merge_into(whole, keys)
         except Exception as exc:  # a checkpoint too broken to read is a finding about it
             findings.append(Finding(prefix + "*", "error", describe_error(exc)))
-    _audit_optimizer(whole, findings, notes)
+    _audit_optimizer(whole, findings, notes, grammar_of(info.layout).step_per_parameter)
     return Report(
         findings=normalized(findings),
         reference=f"the structure of {info.path} ({info.layout})",
@@ -113,7 +113,9 @@ def _audit_dcp(
     return tensors, keys
 
 
-def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], notes: list[str]) -> None:
+def _audit_optimizer(
+    c: CheckpointKeys, findings: list[Finding], notes: list[str], step_per_parameter: bool
+) -> None:
     """Optimizer state that cannot be legitimate is a finding; state that may be, a note.
 
     A parameter with no state at all is what frozen parameters, and parameters the loss never
@@ -140,7 +142,7 @@ def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], notes: list[str
                     "other parameters of the same optimizer have",
                 )
             )
-        elif "step" not in have and have & {"exp_avg", "exp_avg_sq"}:
+        elif step_per_parameter and "step" not in have and have & {"exp_avg", "exp_avg_sq"}:
             findings.append(
                 Finding(
                     optim_key(fqn, "step"),

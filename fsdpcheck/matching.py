@@ -40,7 +40,7 @@ from fsdpcheck.keys import (
     non_tensor_note,
     resolve_ids,
 )
-from fsdpcheck.names import canonicalizer, group_key, optim_key
+from fsdpcheck.names import OPTIM_STATE, canonicalizer, group_key, optim_key
 from fsdpcheck.report import Finding, MappingRow
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ __all__ = [
     "keys_from_entries",
     "match_checkpoints",
     "match_live",
+    "match_names",
     "non_tensor_note",
     "prefix_pair",
     "prefix_rules",
@@ -730,6 +731,29 @@ def match_live(
     m.keys_b = len(ckpt.tensors())
     m.rows.sort(key=lambda r: r.a or r.b or "")
     return m
+
+
+def match_names(
+    names: Iterable[str], ckpt: CheckpointKeys, tied: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], list[Finding]]:
+    """Live names (model FQNs and ``optim.state.<fqn>.<name>``) -> the checkpoint's own keys.
+
+    The same pairing as ``match_live``, for callers that hold names rather than a live state
+    (the manifest of a checkpoint just written). Returns the pairs and what did not pair.
+    """
+    a = Side(tied=dict(tied or {}))
+    for n in names:
+        if n.startswith(OPTIM_STATE):
+            fqn, _, item = n[len(OPTIM_STATE) :].rpartition(".")
+            a.state[(fqn, item)] = None
+        else:
+            a.model[n] = None
+    b = _file_side(ckpt)
+    opt = _Options(None, None, _LIVE, ckpt, {r.key for r in ckpt.rows}, ckpt.by_name())
+    res = _pair(a, b, opt)
+    return {p.name: p.b.key for p in res.pairs}, [
+        f for f in res.findings if f.kind == "missing" or f.key == "optim.state"
+    ]
 
 
 def _match_groups(m: LiveMatch, live: LiveState, ckpt: CheckpointKeys, read: ReadObjects) -> None:

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from fsdpcheck import _version
+from fsdpcheck import _version, matching
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers
 from fsdpcheck.manifest import Manifest, ManifestEntry, write_manifest
+from fsdpcheck.report import normalized
 from fsdpcheck.sources import Source, open_source
 from fsdpcheck.sources.dcp import DCPSource
 
@@ -130,16 +131,17 @@ def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> M
         world_size: Ranks that saved it.
     """
     keys = checkpoint_keys(source)
-    by_name = {name: r.key for name, r in keys.by_name().items()}
+    listed = [n for n in fps.layouts if n not in fps.tied]
+    by_name, unpaired = matching.match_names(listed, keys)
     entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()
     for name, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
         if "DTensor" in lay.description:
             meshes.add(lay.description.split(" on mesh ")[-1])
-        if name in fps.tied:
-            continue  # listed once, under the name it is tied to
+        if name in fps.tied or name not in by_name:
+            continue  # listed once, under the name it is tied to; or not in the checkpoint
         entries[name] = ManifestEntry(
-            by_name.get(name, name),
+            by_name[name],
             tuple(lay.global_shape),
             str(lay.dtype).removeprefix("torch."),
             fps.fingerprints.get(name),
@@ -154,7 +156,7 @@ def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> M
         fsdpcheck=_version.__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tied=dict(fps.tied),
-        findings_at_save=[f.describe() for f in fps.findings],
+        findings_at_save=[f.describe() for f in normalized(fps.findings + unpaired)],
     )
 
 

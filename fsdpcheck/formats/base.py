@@ -65,6 +65,8 @@ class KeyGrammar:
             ``optimizer.state.<state>.<param key>``) instead of ``state.<fqn>.<name>``.
         flat_names: Keys are single names with dots inside (safetensors); nested paths do not
             apply.
+        step_per_parameter: Adam's ``step`` is saved with each parameter's moments (torch's
+            layout); megatron-core keeps it in the param groups instead.
     """
 
     model_containers: frozenset[str] = MODEL_CONTAINERS
@@ -72,6 +74,7 @@ class KeyGrammar:
     wrapper_prefixes: tuple[str, ...] = WRAPPER_PREFIXES
     state_name_first: bool = False
     flat_names: bool = False
+    step_per_parameter: bool = True
 
     def optim_path(self, p: tuple[str, ...]) -> OptimPath | None:
         """The optimizer role of an entry's structural path, or None for anything else."""

@@ -3,7 +3,8 @@
 Its optimizer state is keyed ``optimizer.state.<state name>.<parameter key>``
 (``megatron/core/dist_checkpointing/optimizer.py``: ``make_sharded_optimizer_tensor`` names the
 key ``f'{prefix}.{model_param.key}'`` with ``prefix=f'optimizer.state.{state_key}'``): the state
-name comes first, the other way round from torch's flattened ``state.<fqn>.<name>``. Homogeneous
+name comes first, the other way round from torch's flattened ``state.<fqn>.<name>``; Adam's
+``step`` is kept with the param groups, not per parameter. Homogeneous
 layers may be saved stacked (one tensor with a leading layer axis, ``sharded_pp_offset``); a
 per-layer live model does not pair with those by name, and the report says which are unpaired.
 """
@@ -25,7 +26,7 @@ class Megatron(CheckpointLayout):
     """megatron-core ``dist_checkpointing.save`` (``sharded_backend`` in metadata.json)."""
 
     name = "megatron"
-    grammar = KeyGrammar(state_name_first=True)
+    grammar = KeyGrammar(state_name_first=True, step_per_parameter=False)
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A DCP directory whose ``metadata.json`` names a ``sharded_backend``."""

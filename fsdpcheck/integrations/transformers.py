@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from fsdpcheck.collectives import Comm, agree
-from fsdpcheck.formats import is_dcp_dir
+from fsdpcheck.formats.transformers import OPTIMIZER_FILES, trainer_files
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
 from fsdpcheck.saving import write_checkpoint_manifest
@@ -33,13 +33,6 @@ __all__ = ["ON_FAILURE", "VerifyOnResume", "checkpoint_files"]
 
 log = logging.get_logger(__name__)
 ON_FAILURE = ("raise", "stop", "warn")
-_MODEL_FILES = (
-    "pytorch_model_fsdp_0",
-    "model.safetensors.index.json",
-    "model.safetensors",
-    "pytorch_model.bin",
-)
-_OPTIMIZER_FILES = ("optimizer_0", "optimizer.pt", "optimizer.bin")
 
 
 def checkpoint_files(folder: str | os.PathLike[str], optimizer: bool = True) -> list[Path]:
@@ -48,18 +41,7 @@ def checkpoint_files(folder: str | os.PathLike[str], optimizer: bool = True) -> 
     Raises:
         FileNotFoundError: The folder holds no model checkpoint the Trainer writes.
     """
-    root = Path(folder)
-    names = (_MODEL_FILES, _OPTIMIZER_FILES) if optimizer else (_MODEL_FILES,)
-    out = []
-    for i, candidates in enumerate(names):
-        found = next(
-            (root / n for n in candidates if is_dcp_dir(root / n) or (root / n).is_file()), None
-        )
-        if found is None and i == 0:
-            raise FileNotFoundError(f"{root} holds no model checkpoint ({', '.join(_MODEL_FILES)})")
-        if found is not None:
-            out.append(found)
-    return out
+    return trainer_files(Path(folder), optimizer)
 
 
 class VerifyOnResume(TrainerCallback):
@@ -124,7 +106,7 @@ class VerifyOnResume(TrainerCallback):
             files = checkpoint_files(folder, optimizer is not None)
             if optimizer is not None and len(files) == 1:
                 raise FileNotFoundError(
-                    f"{folder} holds no optimizer state ({', '.join(_OPTIMIZER_FILES)}); pass "
+                    f"{folder} holds no optimizer state ({', '.join(OPTIMIZER_FILES)}); pass "
                     "VerifyOnResume(check_optimizer=False) to check the model only"
                 )
             return folder, files

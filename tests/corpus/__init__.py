@@ -305,7 +305,7 @@ def toy_case(
     """
     changes = [Planted(weight[0], weight[1], "weight")]
     if moment is not None:
-        fields["optim_tensor_keys"] = sorted(optim_keys(TOY_FQNS))
+        fields.setdefault("optim_tensor_keys", sorted(optim_keys(TOY_FQNS)))
         changes.append(Planted(f"optim.state.{moment[0]}.{moment[1]}", moment[2], "moment"))
     return Case(
         name=name,

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from tests.corpus import Case, toy_case, toy_model
+from tests.corpus import TOY_FQNS, Case, MomentSpot, optim_keys, toy_case, toy_model
 
 PLANT_WEIGHT = ("layers.0.proj.weight", (6, 2))
+PLANT_MOMENT = ("layers.1.proj.weight", "exp_avg", (5, 3))
 
 
 @contextlib.contextmanager
@@ -40,11 +41,39 @@ def sharded_state_dict(full: dict[str, torch.Tensor], rank: int, world: int) -> 
     out: dict[str, Any] = {}
     for key, t in full.items():
         rows = t.shape[0] // world
-        local = t[rank * rows : (rank + 1) * rows].clone()
+        local = torch.nn.Parameter(t[rank * rows : (rank + 1) * rows].clone())
         out[key] = ShardedTensor.from_rank_offsets(key, local, (0, rank, world))
     out["iteration"] = 2
     out["args"] = {"hidden": 8, "layers": 2}
     return out
+
+
+def with_optimizer(model_sd: dict[str, Any], moment: MomentSpot | None) -> dict[str, Any]:
+    """The model's sharded state plus its AdamW state, named by megatron-core's own helpers.
+
+    ``optim_state_to_sharding_state`` keys each moment ``optimizer.state.<state name>.<param
+    key>`` (state name first); ``step`` is excluded, as megatron keeps it with the param groups.
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    params = [v.data for k, v in sorted(model_sd.items()) if hasattr(v, "data")]
+    for p in params:
+        p.grad = torch.full_like(p, 0.25) * (1 + torch.arange(p.numel()).reshape(p.shape) % 3)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    opt.step()
+    if moment is not None:
+        fqn, name, index = moment
+        local = model_sd[fqn]
+        rel = (index[0] - local.global_offset[0], *index[1:])
+        if 0 <= rel[0] < local.data.shape[0]:
+            opt.state[local.data][name][rel] += 0.5
+    osd = opt.state_dict()
+    id_map = get_param_id_to_sharded_param_map(model_sd, params)
+    optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
+    return {"model": model_sd, "optimizer": osd}
 
 
 def build(rank: int, world: int, root: Path) -> list[Case]:
@@ -63,7 +92,9 @@ def build(rank: int, world: int, root: Path) -> list[Case]:
             dist.barrier()
             state = {k: v.clone() for k, v in full.items()}
             state[key][index] += change
-            dist_checkpointing.save(sharded_state_dict(state, rank, world), str(path))
+            model_sd = sharded_state_dict(state, rank, world)
+            moment = PLANT_MOMENT if change else None
+            dist_checkpointing.save(with_optimizer(model_sd, moment), str(path))
     return [
         toy_case(
             "megatron",
@@ -72,6 +103,8 @@ def build(rank: int, world: int, root: Path) -> list[Case]:
             clean,
             planted,
             PLANT_WEIGHT,
+            PLANT_MOMENT,
+            optim_tensor_keys=sorted(optim_keys(TOY_FQNS, ("exp_avg", "exp_avg_sq"))),
             # Megatron keeps iteration, args, ... in common.pt, a pickle fsdpcheck does not
             # run: reports name the file.
             non_tensor_keys=["common.pt"],
