@@ -1,99 +1,67 @@
-"""Combining per-key statistics across ranks with a constant number of collectives.
+"""Agreeing across ranks with collectives whose size does not grow with the world.
 
 Every rank must make the same collectives in the same order, or the job hangs: the functions here
 are called unconditionally by every rank, whatever happened locally (a local error is data, not
 an exception).
+
+NOTE: [bytes per rank] fsdpcheck is built for jobs of 16,384 ranks and 10**5 tensors. Anything
+gathered from every rank to every rank costs W x K per rank (6 GB at W = 4096, K = 20,000 with
+77 bytes a row), so nothing per key is ever gathered:
+
+- keys: a rank's key list is digested; when the digests agree (one all-reduce of 4 words), row i
+  means key i everywhere and no names travel. When they differ (pipeline stages hold different
+  keys), each DISTINCT list travels once, broadcast by the lowest rank holding it (one word per
+  rank to find them, then the lists: O(keys of the job)).
+- statistics: one row per key, combined by all-reduce (SUM, MIN; maxima as MIN of negations).
+- fingerprints: summed by all-reduce as two 32-bit halves (exact mod 2**64), each box counted
+  once (its owner: the rank at coordinate 0 of the Replicate dims, or the lowest rank holding a
+  plain tensor).
+- replicas: the sum of every copy must be (copies per box) x the sum of the counted copies, for
+  the fingerprints and for a second hash of them; only keys where that fails are looked at rank
+  by rank (a gather of 2 words per rank for each of at most ``REPLICA_DETAIL`` keys).
+- findings found locally: each distinct list once (``distinct``), capped at ``MAX_DISTINCT``.
+
+So bytes received per rank are O(K) plus O(W) words, and identical reports come from identical
+data on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.box import Box, ravel
-from fsdpcheck.kernels import MASK64, TensorDiff
+from fsdpcheck.kernels import MASK64
 from fsdpcheck.manifest import ManifestError
-from fsdpcheck.report import describe_error
+from fsdpcheck.report import Finding, describe_error
 from fsdpcheck.sources.base import CheckpointError, CoverageError
+from fsdpcheck.stats import COUNTS, Combined, KeyStats
 
+__all__ = [
+    "MAX_DISTINCT",
+    "REPLICA_DETAIL",
+    "Comm",
+    "Group",
+    "agree",
+    "combine",
+    "digest",
+    "distinct",
+    "gather_findings",
+    "same_everywhere",
+]
+
+T = TypeVar("T")
 INT64_MAX = (1 << 63) - 1
-# Columns of the summed counts.
-COUNTS = ("numel", "mismatched", "nan_a", "nan_e", "inf_a", "inf_e", "zeros", "errors", "holders")
-
-
-@dataclass
-class KeyStats:
-    """This rank's statistics for one key (over all its pieces)."""
-
-    numel: int = 0
-    mismatched: int = 0
-    nan_a: int = 0
-    nan_e: int = 0
-    inf_a: int = 0
-    inf_e: int = 0
-    zeros: int = 0
-    errors: int = 0
-    holders: int = 0  # 1 when this rank holds data of the key
-    max_abs: float = -1.0
-    max_abs_idx: int = -1
-    max_rel: float = -1.0
-    max_rel_idx: int = -1
-    # Fingerprint of this rank's copy of a replicated value and the box it covers (its linear
-    # offset), to compare the ranks that hold the same elements.
-    replica_fp: int | None = None
-    replica_box: int = -1
-
-    def add(self, d: TensorDiff, box: Box) -> None:
-        """Adds one comparison result (maxima by global linear index, ties to the smallest)."""
-        self.numel += d.numel
-        self.mismatched += d.mismatched
-        self.nan_a += d.nan_actual
-        self.nan_e += d.nan_expected
-        self.inf_a += d.inf_actual
-        self.inf_e += d.inf_expected
-        self.zeros += d.zeros or 0
-        for attr, value, index in (
-            ("abs", d.max_abs_diff, d.max_abs_index),
-            ("rel", d.max_rel_diff, d.max_rel_index),
-        ):
-            if index is None:
-                continue
-            lin = ravel(index, box.shape)
-            cur, cur_idx = getattr(self, f"max_{attr}"), getattr(self, f"max_{attr}_idx")
-            if value > cur or (value == cur and (cur_idx < 0 or lin < cur_idx)):
-                setattr(self, f"max_{attr}", value)
-                setattr(self, f"max_{attr}_idx", lin)
-        if d.fingerprint_actual is not None:
-            self.replica_fp = ((self.replica_fp or 0) + d.fingerprint_actual) & MASK64
-            if self.replica_box < 0:
-                assert box.offset is not None
-                self.replica_box = ravel(box.offset, box.shape)
-
-
-@dataclass
-class Combined:
-    """One key's statistics over all ranks (the counts also as attributes: numel, ...)."""
-
-    counts: dict[str, int]
-    max_abs: float
-    max_abs_idx: int
-    max_abs_rank: int
-    max_rel: float
-    max_rel_idx: int
-    max_rel_rank: int
-    # Ranks grouped by the content of their copy, when copies of the same box disagree.
-    replica_groups: list[list[int]] | None = None
-
-    def __getattr__(self, name: str) -> int:
-        # The summed counts read as attributes too (numel, mismatched, ...), as on KeyStats.
-        counts = self.__dict__.get("counts", {})
-        if name in counts:
-            return counts[name]
-        raise AttributeError(name)
+_LO = (1 << 32) - 1
+#: Distinct payloads broadcast by ``distinct`` at most (the rest are named by rank only).
+MAX_DISTINCT = 64
+#: Keys whose disagreeing copies are looked up rank by rank (the rest are named without ranks).
+REPLICA_DETAIL = 8
 
 
 class Comm:
@@ -109,7 +77,7 @@ class Comm:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's obj, in rank order."""
+        """Every rank's obj, in rank order (O(W) per rank: small objects only)."""
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world
@@ -124,17 +92,137 @@ class Comm:
         dist.all_reduce(x, op=op, group=self.group)
         return x.cpu()
 
+    def all_gather_words(self, words: Sequence[int]) -> list[list[int]]:
+        """Every rank's few int64 words, in rank order: the one thing that grows with W."""
+        if not self.enabled:
+            return [list(words)]
+        mine = torch.tensor(list(words), dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.cpu().tolist() for t in out]
 
-def agree(comm: Comm, fn: Callable[[], Any], what: str) -> Any:
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """`obj` of rank `src` (a rank of this group) on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.rank == src else None]
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast_object_list(box, src=root, group=self.group, device=self.device)
+        return box[0]
+
+
+# -------------------------------------------------------------------------------------------
+def digest(obj: Any) -> int:
+    """A 63-bit digest of a picklable object (equal objects, equal digests, on every rank)."""
+    data = pickle.dumps(obj, protocol=4)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def same_everywhere(comm: Comm, word: int) -> bool:
+    """Whether every rank passed the same 63-bit word: one all-reduce of 4 words."""
+    if not comm.enabled:
+        return True
+    lo, hi = word & _LO, word >> 32
+    t = torch.tensor([lo, hi, -lo, -hi], dtype=torch.int64)
+    m = comm.all_reduce(t, dist.ReduceOp.MIN).tolist()
+    return m[0] == -m[2] and m[1] == -m[3]
+
+
+def any_rank(comm: Comm, flag: bool) -> bool:
+    """Whether `flag` is set on any rank: one all-reduce of 1 word."""
+    if not comm.enabled:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    return bool(comm.all_reduce(t, dist.ReduceOp.MAX).item())
+
+
+@dataclass
+class Group:
+    """Ranks that hold the same payload, and that payload (the lowest rank's)."""
+
+    ranks: list[int]
+    payload: Any
+
+
+def distinct(
+    comm: Comm, payload: Any, *, word: int | None = None, cap: int = MAX_DISTINCT
+) -> tuple[list[Group], list[int]]:
+    """The distinct payloads of the ranks, each once, with the ranks holding it.
+
+    When every rank's payload digests the same (one all-reduce), that is the answer and
+    nothing else travels. Otherwise every rank's digest is gathered (one word per rank) and each
+    distinct payload is broadcast once, by the lowest rank holding it, in order of that rank.
+
+    Args:
+        comm: The group.
+        payload: This rank's payload (picklable; built before the call).
+        word: Its digest, when the caller has one; default ``digest(payload)``.
+        cap: Distinct payloads broadcast at most.
+
+    Returns:
+        The groups (at most `cap`), and the ranks whose payloads were past the cap.
+    """
+    word = digest(payload) if word is None else word
+    if same_everywhere(comm, word):
+        return [Group(list(range(comm.world)), payload)], []
+    by: dict[int, list[int]] = {}
+    for rank, (w,) in enumerate(comm.all_gather_words([word])):
+        by.setdefault(w, []).append(rank)
+    groups = sorted(by.values(), key=lambda ranks: ranks[0])
+    out = [Group(ranks, comm.broadcast_object(payload, ranks[0])) for ranks in groups[:cap]]
+    return out, sorted(r for ranks in groups[cap:] for r in ranks)
+
+
+#: Findings one rank sends at most, and characters of each message.
+MAX_LOCAL_FINDINGS, MAX_MESSAGE = 256, 600
+
+
+def gather_findings(comm: Comm, local: Sequence[Finding]) -> list[Finding]:
+    """Every rank's local findings, each distinct list once, with the ranks that found it.
+
+    A rank's list is capped at ``MAX_LOCAL_FINDINGS`` (the rest summed up in one line) and each
+    message at ``MAX_MESSAGE`` characters, so what travels is bounded whatever a rank found;
+    ranks whose lists were past ``MAX_DISTINCT`` are named in one finding.
+    """
+    mine = [_capped(f) for f in local[:MAX_LOCAL_FINDINGS]]
+    if len(local) > MAX_LOCAL_FINDINGS:
+        mine.append(Finding("*", "error", f"{len(local) - MAX_LOCAL_FINDINGS} more findings"))
+    groups, past = distinct(comm, mine)
+    out: list[Finding] = []
+    for g in groups:
+        for f in g.payload:
+            out.append(replace(f, rank=g.ranks[0] if f.rank is None else f.rank, ranks=g.ranks))
+    if past:
+        out.append(
+            Finding(
+                "*",
+                "error",
+                f"{len(past)} more rank(s) found other things, not shown here (ranks "
+                f"{_ranks_text(past)}); run on fewer ranks or see each rank's log",
+                rank=past[0],
+                ranks=past,
+            )
+        )
+    return out
+
+
+def _capped(f: Finding) -> Finding:
+    if len(f.message) <= MAX_MESSAGE:
+        return f
+    return replace(f, message=f.message[: MAX_MESSAGE - 4] + " ...")
+
+
+def agree(comm: Comm, fn: Callable[[], T], what: str) -> T:
     """Runs `fn` on this rank; if it failed on any rank, raises the same error on every rank.
 
     For local steps between collectives: an exception on one rank alone would leave the others
-    waiting in the next collective forever. Costs one small all-gather. The error raised
-    everywhere has the failing rank's exception type where that type is one of a known set
-    (FileNotFoundError, ValueError, fsdpcheck's own errors, ...), else RuntimeError, and a
-    message naming `what`, the rank and the failure.
+    waiting in the next collective forever. Costs one all-reduce of one word when nothing
+    failed. The error raised everywhere has the failing rank's exception type where that type
+    is one of a known set (FileNotFoundError, ValueError, fsdpcheck's own errors, ...), else
+    RuntimeError, and a message naming `what`, the rank and the failure.
     """
-    result, error = None, None
+    result: Any = None
+    error: tuple[str, str, str] | None = None
     try:
         result = fn()
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
@@ -143,13 +231,23 @@ def agree(comm: Comm, fn: Callable[[], Any], what: str) -> Any:
         # The failing rank's `what` travels too: it may name a path only that rank was given,
         # and every rank must raise the same text.
         error = (_error_type(exc), describe_error(exc), what)
-    failed = [(rank, e) for rank, e in enumerate(comm.all_gather_object(error)) if e]
-    if failed:
-        rank, (kind, message, first_what) = failed[0]
-        others = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        where = f" on rank {rank}{others}" if comm.world > 1 else ""
-        raise _ERROR_TYPES.get(kind, RuntimeError)(f"{first_what} failed{where}: {message}")
-    return result
+    if not any_rank(comm, error is not None):
+        return result
+    groups, past = distinct(comm, error)
+    failed = [g for g in groups if g.payload is not None]
+    ranks = sorted(r for g in failed for r in g.ranks)
+    if not failed:  # every failing rank's error was past the cap
+        raise RuntimeError(f"{what} failed on ranks {past[:16]}")
+    kind, message, first_what = failed[0].payload
+    rank = failed[0].ranks[0]
+    more = [r for r in ranks if r != rank] + past
+    others = f" (and on ranks {_ranks_text(more)})" if more else ""
+    where = f" on rank {rank}{others}" if comm.world > 1 else ""
+    raise _ERROR_TYPES.get(kind, RuntimeError)(f"{first_what} failed{where}: {message}")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 16 else f"{ranks[:16]} and {len(ranks) - 16} more"
 
 
 # Exception types agree() raises as themselves on every rank (others become RuntimeError).
@@ -177,79 +275,145 @@ def _error_type(exc: BaseException) -> str:
     return "RuntimeError"
 
 
-def combine(comm: Comm, stats: list[KeyStats], extra: Any) -> tuple[list[Combined], list[Any]]:
-    """Combines each key's statistics over all ranks: 4 all-reduces and 1 all-gather in all.
+# -------------------------------------------------------------------------------------------
+def fmix64(x: int) -> int:
+    """murmur3's 64-bit finalizer: the second hash of a fingerprint for the replica check."""
+    x &= MASK64
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & MASK64
+    x ^= x >> 33
+    return x
 
-    The all-gather carries two words per replicated key per rank (replica fingerprints) and the
-    small `extra` objects; everything else is reduced.
+
+@dataclass
+class Totals:
+    """Per-call numbers combined together with the keys' rows."""
+
+    seconds: float = 0.0  # the slowest rank's
+    bytes_read: int = 0  # summed
+
+
+def combine(
+    comm: Comm, stats: Sequence[KeyStats], seconds: float = 0.0, bytes_read: int = 0
+) -> tuple[list[Combined], Totals]:
+    """Combines each key's statistics over all ranks: 4 all-reduces of O(keys), no gather.
+
+    Row i is key i on every rank (the callers agreed on the key list first). Maxima tie to the
+    smallest global index, then the smallest rank. Fingerprints are the sums of the counted
+    copies; copies that disagree are found by the rule in NOTE: [bytes per rank], and for at
+    most ``REPLICA_DETAIL`` such keys the ranks are grouped by content (one more gather of
+    2 words per rank per key, only when some copies disagree).
 
     Args:
         comm: The group.
         stats: This rank's statistics, one per key, in the order every rank agreed on.
-        extra: A small picklable object of this rank's (its errors, bytes read, time).
+        seconds: This rank's time (the maximum is returned).
+        bytes_read: This rank's bytes read (the sum is returned).
 
     Returns:
-        One Combined per key, identical on every rank (maxima tie to the smallest global index,
-        then the smallest rank), and every rank's `extra` in rank order.
+        One Combined per key, identical on every rank, and the totals.
     """
     k = len(stats)
-    counts = torch.tensor([[getattr(s, c) for c in COUNTS] for s in stats], dtype=torch.int64)
-    counts = counts.reshape(k, len(COUNTS))
-    maxima = torch.tensor([[s.max_abs, s.max_rel] for s in stats], dtype=torch.float64)
-    maxima = maxima.reshape(k, 2)
-    counts = comm.all_reduce(counts, dist.ReduceOp.SUM)
-    gmax = comm.all_reduce(maxima.clone(), dist.ReduceOp.MAX)
-
-    # Smallest global index among the ranks holding the maximum. (Python lists in the loops:
-    # indexing tensors element by element costs microseconds each, and there may be 10**4 keys.)
-    gmax_l = gmax.tolist()
+    inf = float("inf")
+    # Round 1 (MIN of float64): maxima as negations, the lowest holder of keys whose owner is
+    # not given by their layout, and the slowest rank's time.
+    r1 = [
+        [-s.max_abs, -s.max_rel, float(comm.rank) if s.holders and s.owner is None else inf]
+        for s in stats
+    ]
+    r1.append([-seconds, 0.0, 0.0])
+    g1 = comm.all_reduce(torch.tensor(r1, dtype=torch.float64), dist.ReduceOp.MIN).tolist()
+    gmax = [(-a, -b) for a, b, _ in g1[:k]]
+    lowest = [int(c) if c != inf else -1 for _, _, c in g1[:k]]
+    # Round 2 (MIN): the smallest global index holding each maximum.
     cand = [
         [
             s.max_abs_idx if s.max_abs_idx >= 0 and s.max_abs == m[0] else INT64_MAX,
             s.max_rel_idx if s.max_rel_idx >= 0 and s.max_rel == m[1] else INT64_MAX,
         ]
-        for s, m in zip(stats, gmax_l)
+        for s, m in zip(stats, gmax)
     ]
-    gmin_l = _as_rows(comm.all_reduce(_int_tensor(cand, k), dist.ReduceOp.MIN))
-
-    # The smallest rank holding that element.
+    gmin = _reduce_ints(comm, cand, 2, dist.ReduceOp.MIN)
+    # Round 3 (MIN): the lowest rank holding that element.
     who = [
         [comm.rank if c != INT64_MAX and c == g else INT64_MAX for c, g in zip(cs, gs)]
-        for cs, gs in zip(cand, gmin_l)
+        for cs, gs in zip(cand, gmin)
     ]
-    gwho_l = _as_rows(comm.all_reduce(_int_tensor(who, k), dist.ReduceOp.MIN))
-    # Replicas: every rank's (box, fingerprint) per key, compared among ranks with the same box.
-    # One all-gather of two words per key per rank, together with the small extras.
-    replicas = [
-        (s.replica_box, _signed(s.replica_fp)) if s.replica_fp is not None else None for s in stats
-    ]
-    gathered = comm.all_gather_object((replicas, extra))
-    extras = [e for _, e in gathered]
-
+    gwho = _reduce_ints(comm, who, 2, dist.ReduceOp.MIN)
+    # Round 4 (SUM): counts, and the copies: the counted ones and all of them, as 32-bit halves.
+    rows = []
+    for s, low in zip(stats, lowest):
+        owner = s.owner if s.owner is not None else (s.holders > 0 and low == comm.rank)
+        fp = s.fp
+        if fp is None:
+            copy = [0] * 10
+        else:
+            g = fmix64(fp)
+            o = 1 if owner else 0
+            copy = [
+                o * (fp & _LO), o * (fp >> 32), fp & _LO, fp >> 32,
+                o * (g & _LO), o * (g >> 32), g & _LO, g >> 32,
+                o, 1,
+            ]  # fmt: skip
+        rows.append([getattr(s, c) for c in COUNTS] + copy + [s.copy_numel if owner else 0])
+    width = len(COUNTS) + 11
+    rows.append([bytes_read] + [0] * (width - 1))
+    summed = _reduce_ints(comm, rows, width, dist.ReduceOp.SUM)
     out = []
-    counts_l = counts.tolist()
     for i in range(k):
-        out.append(
-            Combined(
-                counts=dict(zip(COUNTS, counts_l[i])),
-                max_abs=gmax_l[i][0],
-                max_abs_idx=gmin_l[i][0] if gmin_l[i][0] != INT64_MAX else -1,
-                max_abs_rank=gwho_l[i][0] if gwho_l[i][0] != INT64_MAX else -1,
-                max_rel=gmax_l[i][1],
-                max_rel_idx=gmin_l[i][1] if gmin_l[i][1] != INT64_MAX else -1,
-                max_rel_rank=gwho_l[i][1] if gwho_l[i][1] != INT64_MAX else -1,
-                replica_groups=_disagreeing([g[0][i] for g in gathered]),
-            )
+        row = summed[i]
+        counts = dict(zip(COUNTS, row[: len(COUNTS)]))
+        own_lo, own_hi, all_lo, all_hi, gown_lo, gown_hi, gall_lo, gall_hi, owners, copies, cov = (
+            row[len(COUNTS) :]
         )
-    return out, extras
+        c = Combined(
+            counts=counts,
+            max_abs=gmax[i][0],
+            max_abs_idx=gmin[i][0] if gmin[i][0] != INT64_MAX else -1,
+            max_abs_rank=gwho[i][0] if gwho[i][0] != INT64_MAX else -1,
+            max_rel=gmax[i][1],
+            max_rel_idx=gmin[i][1] if gmin[i][1] != INT64_MAX else -1,
+            max_rel_rank=gwho[i][1] if gwho[i][1] != INT64_MAX else -1,
+        )
+        if copies:
+            own = (own_lo + (own_hi << 32)) & MASK64
+            every = (all_lo + (all_hi << 32)) & MASK64
+            gown = (gown_lo + (gown_hi << 32)) & MASK64
+            gevery = (gall_lo + (gall_hi << 32)) & MASK64
+            n = copies // owners if owners else 0
+            c.fingerprint, c.covered = own, cov
+            c.replicas_disagree = (
+                owners == 0
+                or copies % owners != 0
+                or every != (n * own) & MASK64
+                or gevery != (n * gown) & MASK64
+            )
+        out.append(c)
+    totals = Totals(seconds=-g1[k][0], bytes_read=summed[k][0])
+    _replica_detail(comm, stats, out)
+    return out, totals
 
 
-def _int_tensor(rows: list[list[int]], k: int) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64).reshape(k, 2)
+def _replica_detail(comm: Comm, stats: Sequence[KeyStats], out: list[Combined]) -> None:
+    """Ranks grouped by content for the first keys whose copies disagree (only then: a gather)."""
+    flagged = [i for i, c in enumerate(out) if c.replicas_disagree][:REPLICA_DETAIL]
+    if not flagged:
+        return
+    words: list[int] = []
+    for i in flagged:
+        s = stats[i]
+        words += [s.box, _signed(s.fp)] if s.fp is not None else [-1, 0]
+    per_rank = comm.all_gather_words(words)
+    for j, i in enumerate(flagged):
+        copies = [(w[2 * j], w[2 * j + 1]) if w[2 * j] >= 0 else None for w in per_rank]
+        out[i].replica_groups = _disagreeing(copies)
 
 
-def _as_rows(t: torch.Tensor) -> list[list[int]]:
-    return t.tolist()
+def _reduce_ints(comm: Comm, rows: list[list[int]], width: int, op: Any) -> list[list[int]]:
+    t = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
+    return comm.all_reduce(t, op).tolist()
 
 
 def _disagreeing(copies: list[tuple[int, int] | None]) -> list[list[int]] | None:

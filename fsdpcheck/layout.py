@@ -41,6 +41,9 @@ class Layout:
         description: The layout in words, for messages.
         error: Why this value cannot be checked element-wise (a Partial placement, a layout
             that is not a box), or None.
+        owner: Whether this rank's copy is the one a fingerprint counts, when the layout says
+            (a DTensor: the rank at coordinate 0 of its Replicate dims); None: the lowest rank
+            holding the key counts (plain tensors, replicated everywhere they are held).
     """
 
     global_shape: tuple[int, ...]
@@ -50,6 +53,30 @@ class Layout:
     replicated: bool = False
     description: str = "tensor"
     error: str | None = None
+    owner: bool | None = None
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What every rank holding a key must agree on: its global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def global_meta(value: Any) -> Meta:
+    """The global shape and dtype of a live value, without computing its layout."""
+    if is_zero3(value) and getattr(value, "ds_shape", None) is not None:
+        shape = tuple(int(s) for s in value.ds_shape)
+    elif _compat.is_sharded_tensor(value):
+        shape = tuple(value.size())
+    else:
+        shape = tuple(value.shape)
+    dtype = value.dtype
+    if _compat.is_sharded_tensor(value):
+        shards = value.local_shards()
+        dtype = shards[0].tensor.dtype if shards else dtype
+    return Meta(shape, str(dtype).removeprefix("torch."))
 
 
 def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
@@ -82,31 +109,77 @@ def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
     raise TypeError(f"not a tensor: {type(value).__name__}")
 
 
+@dataclass(frozen=True)
+class _Placed:
+    """What a (mesh, placements, global shape) gives this rank: computed once, then reused."""
+
+    description: str
+    replicated: bool
+    owner: bool
+    error: str | None
+    offset: tuple[int, ...] | None  # None: this rank is not in the mesh
+    size: tuple[int, ...] | None
+
+
+# NOTE: [layout cache] Working out a DTensor's box costs ~80 us (placements, mesh coordinate,
+# DTensor's offset helper); a model has many tensors of the same shape on the same mesh and
+# placements (every layer's), so each (mesh, placements, shape) is worked out once per process.
+# Bounded: a long-lived process that sees many meshes drops the oldest entries.
+_PLACED: dict[tuple[Any, ...], _Placed] = {}
+_PLACED_MAX = 1 << 14
+
+
+def _placed(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> _Placed:
+    try:
+        key: tuple[Any, ...] | None = (mesh, placements, shape)
+        hit = _PLACED.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable mesh or placement: no cache
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    placed = _work_out(mesh, placements, shape)
+    if key is not None:
+        if len(_PLACED) >= _PLACED_MAX:
+            _PLACED.pop(next(iter(_PLACED)))
+        _PLACED[key] = placed
+    return placed
+
+
+def _work_out(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> _Placed:
+    desc = f"DTensor {placements} on mesh {tuple(mesh.shape)}"
+    replicate = [m for m, p in enumerate(placements) if _compat.is_replicate(p)]
+    replicated = any(mesh.size(m) > 1 for m in replicate)
+    if any(_compat.is_partial(p) for p in placements):
+        error = (
+            f"{desc} has a Partial placement: its local data is a pending reduction, not a "
+            "slice of the tensor; call .redistribute() to Replicate/Shard (or .full_tensor()) "
+            "before checking"
+        )
+        return _Placed(desc, replicated, False, error, None, None)
+    coord = _compat.mesh_coordinate(mesh)
+    if coord is None:
+        return _Placed(desc, replicated, False, None, None, None)  # holds nothing
+    owner = all(coord[m] == 0 for m in replicate)
+    try:
+        offset, size = _box_of(shape, mesh, placements, coord)
+    except _NotABox as exc:
+        error = f"{desc}: {exc}; fsdpcheck checks only layouts whose local data is a box"
+        return _Placed(desc, replicated, owner, error, None, None)
+    return _Placed(desc, replicated, owner, None, offset, size)
+
+
 def _dtensor_layout(value: torch.Tensor) -> Layout:
     mesh = value.device_mesh  # type: ignore[attr-defined]
     placements = tuple(value.placements)  # type: ignore[attr-defined]
     shape = tuple(value.shape)
     local = value.to_local()  # type: ignore[attr-defined]
-    desc = f"DTensor {placements} on mesh {tuple(mesh.shape)}"
+    placed = _placed(mesh, placements, shape)
+    desc = placed.description
     layout = Layout(shape, local.dtype, local.device, description=desc)
-    layout.replicated = any(
-        _compat.is_replicate(p) and mesh.size(m) > 1 for m, p in enumerate(placements)
-    )
-    if any(_compat.is_partial(p) for p in placements):
-        layout.error = (
-            f"{desc} has a Partial placement: its local data is a pending reduction, not a "
-            "slice of the tensor; call .redistribute() to Replicate/Shard (or .full_tensor()) "
-            "before checking"
-        )
+    layout.replicated, layout.owner, layout.error = placed.replicated, placed.owner, placed.error
+    if placed.error is not None or placed.offset is None or placed.size is None:
         return layout
-    coord = _compat.mesh_coordinate(mesh)
-    if coord is None:
-        return layout  # this rank is not in the mesh and holds nothing
-    try:
-        offset, size = _box_of(shape, mesh, placements, coord)
-    except _NotABox as exc:
-        layout.error = f"{desc}: {exc}; fsdpcheck checks only layouts whose local data is a box"
-        return layout
+    offset, size = placed.offset, placed.size
     if tuple(local.shape) != size:
         layout.error = (
             f"{desc}: local tensor of shape {tuple(local.shape)} but the placements give "
@@ -166,7 +239,7 @@ def _sharded_tensor_layout(value: torch.Tensor) -> Layout:
     dtype = shards[0].tensor.dtype if shards else value.dtype
     device = shards[0].tensor.device if shards else torch.device("cpu")
     pieces = [Piece(s.tensor, Box(shape, tuple(s.metadata.shard_offsets))) for s in shards]
-    return Layout(shape, dtype, device, pieces, description="ShardedTensor")
+    return Layout(shape, dtype, device, pieces, description="ShardedTensor", owner=True)
 
 
 # -------------------------------------------------------------------------------------------
@@ -263,6 +336,7 @@ def partition_layout(
     numel = math.prod(shape)
     layout = Layout(shape, partition.dtype, partition.device, description=description)
     layout.replicated = world_size > world
+    layout.owner = None if layout.replicated else True
     size = partition.numel()
     if partition.dim() != 1 or not 0 <= index < world or size * world < numel:
         layout.error = (

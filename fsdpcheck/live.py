@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fsdpcheck import names
-from fsdpcheck.layout import is_zero3, zero3_problem
+from fsdpcheck.layout import Meta, global_meta, is_zero3, zero3_problem
 
 __all__ = ["LiveState", "flat_live", "inner_optimizers", "live_state", "model_canonicalizer"]
 
@@ -50,11 +50,42 @@ class LiveState:
     def tensors(self, *, dedupe_tied: bool = False) -> dict[str, Any]:
         """Every live tensor by canonical name: model FQNs and ``optim.state.<fqn>.<name>``."""
         out = {k: v for k, v in self.model.items() if not (dedupe_tied and k in self.tied)}
-        for fqn, states in (self.optim_state or {}).items():
-            for name, value in states.items():
-                if isinstance(value, torch.Tensor):
-                    out[names.optim_key(fqn, name)] = value
+        for (fqn, name), value in self.state_tensors().items():
+            out[names.optim_key(fqn, name)] = value
         return out
+
+    def state_tensors(self) -> dict[tuple[str, str], Any]:
+        """(parameter FQN, state name) -> tensor, for the optimizer state that is tensors."""
+        return {
+            (fqn, name): value
+            for fqn, states in (self.optim_state or {}).items()
+            for name, value in states.items()
+            if isinstance(value, (torch.Tensor, Meta))
+        }
+
+    def names_only(self) -> LiveState:
+        """The same names with each tensor replaced by its Meta (what ranks agree on)."""
+        groups = None
+        if self.param_groups is not None:
+            groups = [{"params": list(g["params"])} for g in self.param_groups]
+        return LiveState(
+            model={k: _meta(v) for k, v in self.model.items()},
+            tied=dict(self.tied),
+            requires_grad={},
+            optim_state=None
+            if self.optim_state is None
+            else {
+                fqn: {n: _meta(v) for n, v in st.items() if isinstance(v, (torch.Tensor, Meta))}
+                for fqn, st in self.optim_state.items()
+            },
+            param_groups=groups,
+            buffers={k: _meta(v) for k, v in self.buffers.items()},
+            adapters=self.adapters,
+        )
+
+
+def _meta(v: Any) -> Meta:
+    return v if isinstance(v, Meta) else global_meta(v)
 
 
 def live_state(

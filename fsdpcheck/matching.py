@@ -29,8 +29,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from fsdpcheck.keys import (
     CheckpointKeys,
     CkptKey,
@@ -64,6 +62,7 @@ __all__ = [
     "is_ignored",
     "keys_from_entries",
     "match_checkpoints",
+    "match_groups",
     "match_live",
     "match_names",
     "non_tensor_note",
@@ -666,12 +665,7 @@ def match_live(
     b = _file_side(ckpt)
     if live.optim_state is not None:
         m.findings += [Finding(key, kind, message) for key, kind, message in live.problems]
-        a.state = {
-            (fqn, name): value
-            for fqn, states in live.optim_state.items()
-            for name, value in states.items()
-            if isinstance(value, torch.Tensor)  # non-tensor state (rare): nothing to compare
-        }
+        a.state = live.state_tensors()  # non-tensor state (rare): nothing to compare
         order = [fqn for g in live.param_groups or [] for fqn in g["params"]]
         a.order = order
         if ckpt.id_keyed and b.state:
@@ -754,6 +748,16 @@ def match_names(
     return {p.name: p.b.key for p in res.pairs}, [
         f for f in res.findings if f.kind == "missing" or f.key == "optim.state"
     ]
+
+
+def match_groups(
+    live: LiveState, ckpt: CheckpointKeys, read: ReadObjects
+) -> tuple[list[GroupPair], list[Finding]]:
+    """This rank's live param groups paired with the checkpoint's (hyperparameters included)."""
+    m = LiveMatch()
+    if live.optim_state is not None and live.param_groups is not None:
+        _match_groups(m, live, ckpt, read)
+    return m.groups, m.findings
 
 
 def _match_groups(m: LiveMatch, live: LiveState, ckpt: CheckpointKeys, read: ReadObjects) -> None:

@@ -179,8 +179,18 @@ class Finding:
         )
 
     @classmethod
-    def replica(cls, key: str, groups: Sequence[Sequence[int]]) -> Finding:
-        """Copies of the same elements differ: `groups` are ranks by content, largest first."""
+    def replica(cls, key: str, groups: Sequence[Sequence[int]] | None) -> Finding:
+        """Copies of the same elements differ: `groups` are ranks by content, largest first.
+
+        None: the ranks were not looked up (only the first keys that disagree are).
+        """
+        if not groups:
+            return cls(
+                key,
+                "replica",
+                "copies of the same elements differ across ranks (their ranks are listed for "
+                "the first keys that disagree only; check_replicas of this key names them)",
+            )
         majority, *others = [list(g) for g in groups]
         return cls(
             key,

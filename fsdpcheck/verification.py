@@ -24,16 +24,18 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
-from fsdpcheck.collectives import Comm, KeyStats, combine
+from fsdpcheck.collectives import Comm, combine, digest, distinct, gather_findings, same_everywhere
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.keys import checkpoint_keys
+from fsdpcheck.keyset import KeySet, agree_keys
 from fsdpcheck.layout import Layout, local_layout
-from fsdpcheck.live import live_state
+from fsdpcheck.live import LiveState, live_state
 from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, describe_error, normalized
 from fsdpcheck.sources import Region, Source, checkpoint_notes, open_source
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
+from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import tolerance
 
 
@@ -55,7 +57,9 @@ class _Prepared:
     source: Source
     keys: matching.CheckpointKeys
     match: matching.LiveMatch
-    layouts: list[Layout | None]  # per match item; None: not compared on this rank
+    values: list[Any]  # this rank's value of each pair (None: not held here)
+    layouts: list[Layout | None] = field(default_factory=list)  # None: not compared here
+    blocked: set[int] = field(default_factory=set)  # held here, but a finding says why not
     findings: list[Finding] = field(default_factory=list)
 
 
@@ -113,73 +117,117 @@ def verify(
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     t0 = time.perf_counter()
     comm = Comm(group)
-    prepared: _Prepared | None = None
-    error = None
+    live, source, ckpt, error = None, None, None, None
     try:
-        prepared = _prepare(model, reference, optimizer, key_map, ignore, check_dtype, comm)
-    except Exception as exc:  # whatever happens here, every rank reaches the gather below
+        live = live_state(model, optimizer)
+        source = open_source(reference)
+        ckpt = checkpoint_keys(source)
+    except Exception as exc:  # whatever happens here, every rank reaches the agreement below
         error = describe_error(exc)
-    # Agree before any per-key collective: the same keys and the same checkpoint everywhere.
-    digest = _digest(prepared)
-    described = prepared.source.description if prepared else str(reference)
-    gathered = comm.all_gather_object((error, digest, described))
-    report = Report(reference=gathered[0][2], world_size=comm.world)
-    errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e]
-    if errors or len({d for _, d, _ in gathered}) != 1:
-        if errors:
-            ranks = [r for r, _ in errors]
-            more = "" if len(errors) == 1 else f" (and on ranks {ranks[1:]})"
-            report.findings = [
-                Finding("*", "error", errors[0][1] + more, rank=ranks[0], ranks=ranks)
-            ]
-        else:
-            report.findings = [
-                Finding(
-                    "*",
-                    "error",
-                    "ranks see different live keys or different checkpoints (is the checkpoint "
-                    "on a filesystem every rank shares, and is every rank's model the same?)",
-                )
-            ]
-        report.seconds = time.perf_counter() - t0
-        _close(prepared)
-        return report
+    try:
+        return _verify(
+            comm, t0, live, source, ckpt, error, reference,
+            _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
+        )  # fmt: skip
+    finally:
+        if source is not None:
+            source.close()
+
+
+@dataclass(frozen=True)
+class _Settings:
+    rtol: float | None
+    atol: float | None
+    equal_nan: bool
+    check_dtype: bool
+    key_map: matching.KeyMap | None
+    ignore: Sequence[str] | None
+    budget: int
+
+
+def _verify(
+    comm: Comm,
+    t0: float,
+    live: LiveState | None,
+    source: Source | None,
+    ckpt: matching.CheckpointKeys | None,
+    error: str | None,
+    reference: Any,
+    s: _Settings,
+) -> Report:
+    """The protocol of the module docstring, once every rank has opened what it could."""
+    described = source.description if source is not None else str(reference)
+    ks = agree_keys(comm, live, error=error, checkpoint=(described, _identity(ckpt)))
+    report = Report(reference=ks.checkpoint or described, world_size=comm.world)
+    if ks.error is not None:
+        return _failed(report, ks.error, ks.error_ranks, t0)
+    assert live is not None and source is not None and ckpt is not None
+    # Pairing the job's names: the same on every rank. Then this rank's own values and checks.
+    prepared: _Prepared | None = None
+    try:
+        prepared = _prepare(ks, live, source, ckpt, s, comm.world)
+    except Exception as exc:  # a local failure: every rank learns of it below
+        error = describe_error(exc)
+    word = _pairing_word(prepared)
+    if not same_everywhere(comm, word):
+        groups, past = distinct(comm, error)
+        failed = [g for g in groups if g.payload is not None]
+        if failed:
+            return _failed(report, failed[0].payload, failed[0].ranks + past, t0)
+        return _failed(
+            report, "ranks paired the keys differently (a bug: please report it)", [], t0
+        )
     assert prepared is not None
     m = prepared.match
     stats = [KeyStats() for _ in m.items]
     local = list(prepared.findings)
     bytes_read = 0
     try:
-        bytes_read = _compare_values(prepared, stats, local, rtol, atol, equal_nan, memory_budget)
+        bytes_read = _compare_values(prepared, stats, local, s)
     except Exception as exc:  # a local failure must not leave the other ranks waiting
         local.append(Finding("*", "error", describe_error(exc)))
     try:
-        local += _check_param_groups(prepared.source, m.groups)
+        groups_live, group_findings = matching.match_groups(live, ckpt, source.read_objects)
+        local += group_findings + _check_param_groups(source, groups_live)
     except Exception as exc:
         local.append(Finding("optim.param_groups", "error", describe_error(exc)))
-    for f in local:
-        f.rank, f.ranks = comm.rank, [comm.rank]
-    combined, extras = combine(comm, stats, (local, bytes_read, time.perf_counter() - t0))
-    findings = list(m.findings)
-    for f in [f for rank_findings, _, _ in extras for f in rank_findings]:
-        findings.append(f)
-    entries = prepared.source.entries()
-    for item, c, lay in zip(m.items, combined, prepared.layouts):
-        if c.counts["mismatched"] > 0:
-            rtol_, atol_ = tolerance(item.value.dtype, entries[item.ckpt_key].dtype, rtol, atol)
-            shape = lay.global_shape if lay is not None else entries[item.ckpt_key].shape
-            findings.append(Finding.value(item.key, c, shape, rtol=rtol_, atol=atol_))
-        if c.replica_groups:
+    combined, totals = combine(comm, stats, time.perf_counter() - t0, bytes_read)
+    # Ranks holding one key differently: the per-key checks name it where it is paired.
+    paired = {item.key for item in m.items}
+    findings = list(m.findings) + [f for f in ks.findings if f.key not in paired]
+    findings += gather_findings(comm, local)
+    entries = source.entries()
+    checked = 0
+    for item, c in zip(m.items, combined):
+        entry = entries[item.ckpt_key]
+        if c.holders and not c.errors:
+            checked += 1
+        if c.mismatched > 0:
+            dtype = getattr(torch, item.value.dtype) if item.value is not None else entry.dtype
+            rtol_, atol_ = tolerance(dtype, entry.dtype, s.rtol, s.atol)
+            findings.append(Finding.value(item.key, c, entry.shape, rtol=rtol_, atol=atol_))
+        if c.replicas_disagree:
             findings.append(Finding.replica(item.key, c.replica_groups))
     report.findings = _everywhere(normalized(findings), comm.world)
-    report.keys_checked = sum(1 for lay in prepared.layouts if lay is not None)
+    report.keys_checked = checked
     report.keys_a, report.keys_b = m.keys_a, m.keys_b
     report.mapping = m.rows
-    report.elements_checked = sum(c.counts["numel"] for c in combined)
-    report.bytes_read = sum(b for _, b, _ in extras)
-    report.seconds = max(s for _, _, s in extras)
-    report.notes = list(m.notes) + checkpoint_notes(prepared.source)
-    _close(prepared)
+    report.elements_checked = sum(c.numel for c in combined)
+    report.bytes_read = totals.bytes_read
+    report.seconds = totals.seconds
+    report.notes = list(m.notes) + checkpoint_notes(source)
+    if ks.stages > 1:
+        report.notes.append(
+            f"the ranks hold {ks.stages} different sets of keys (pipeline stages): each key was "
+            "checked on the ranks that hold it"
+        )
+    return report
+
+
+def _failed(report: Report, message: str, ranks: list[int], t0: float) -> Report:
+    rank = ranks[0] if ranks else None
+    report.findings = [Finding("*", "error", message, rank=rank, ranks=list(ranks))]
+    report.seconds = time.perf_counter() - t0
     return report
 
 
@@ -192,44 +240,39 @@ def _everywhere(findings: list[Finding], world: int) -> list[Finding]:
     return findings
 
 
-def _close(prepared: _Prepared | None) -> None:
-    if prepared is not None:
-        prepared.source.close()
-
-
-def _digest(prepared: _Prepared | None) -> str:
-    h = hashlib.sha256()
-    if prepared is not None:
-        for item in prepared.match.items:
-            h.update(f"{item.key}\0{item.ckpt_key}\0".encode())
-        for key in sorted(prepared.source.entries()):
-            h.update(key.encode())
+def _identity(ckpt: matching.CheckpointKeys | None) -> str:
+    """What makes two ranks' checkpoints the same one: every entry's key, shape and dtype."""
+    h = hashlib.blake2b(digest_size=16)
+    for r in ckpt.rows if ckpt is not None else []:
+        e = r.entry
+        h.update(f"{e.key}\0{e.shape}\0{e.dtype}\0".encode())
     return h.hexdigest()
+
+
+def _pairing_word(prepared: _Prepared | None) -> int:
+    if prepared is None:
+        return -1 & ((1 << 63) - 1)
+    return digest([(i.key, i.ckpt_key) for i in prepared.match.items])
 
 
 # -------------------------------------------------------------------------------------------
 def _prepare(
-    model: Any,
-    reference: Any,
-    optimizer: Any,
-    key_map: matching.KeyMap | None,
-    ignore: Sequence[str] | None,
-    check_dtype: bool,
-    comm: Comm,
+    ks: KeySet,
+    live: LiveState,
+    source: Source,
+    ckpt: matching.CheckpointKeys,
+    s: _Settings,
+    world: int,
 ) -> _Prepared:
-    """Live state, the source, the matching and the per-key checks (local, may raise)."""
-    live = live_state(model, optimizer)
-    source = open_source(reference)
-    try:
-        ckpt = checkpoint_keys(source)
-        m = matching.match_live(
-            live, ckpt, read_objects=source.read_objects, key_map=key_map, ignore=ignore
-        )
-        prepared = _Prepared(source, ckpt, m, [])
-        _check_keys(prepared, live.requires_grad, check_dtype, comm.world)
-    except BaseException:
-        source.close()
-        raise
+    """The pairing of the job's names, this rank's values, and its per-key checks (local)."""
+    m = matching.match_live(
+        ks.live, ckpt, read_objects=source.read_objects, key_map=s.key_map, ignore=s.ignore
+    )
+    values = live.tensors()
+    values.update(live.buffers)
+    prepared = _Prepared(source, ckpt, m, [values.get(item.key) for item in m.items])
+    prepared.findings += [Finding(key, kind, message) for key, kind, message in live.problems]
+    _check_keys(prepared, live.requires_grad, s.check_dtype, world)
     return prepared
 
 
@@ -248,10 +291,14 @@ def _check_keys(
     for key, kind, message in p.source.problems():
         problems.setdefault(key, (kind, message))
         p.findings.append(Finding(live_name.get(key, key), kind, message))
-    for item in p.match.items:
+    for i, item in enumerate(p.match.items):
         entry = entries[item.ckpt_key]
-        lay = local_layout(item.value, world)
         p.layouts.append(None)
+        value = p.values[i]
+        if value is None:
+            continue  # another rank's key (a pipeline stage this rank is not in)
+        p.blocked.add(i)  # until the checks below pass
+        lay = local_layout(value, world)
         if item.ckpt_key in problems:
             continue
         if lay.error is not None:
@@ -285,6 +332,7 @@ def _check_keys(
                 Finding(item.key, "dtype", f"{lay.dtype} live but {entry.dtype} in the checkpoint")
             )
         p.layouts[-1] = lay
+        p.blocked.discard(i)
         if item.is_param_state:
             continue
         saved_rg = p.source.requires_grad(item.ckpt_key)
@@ -301,13 +349,7 @@ def _check_keys(
 
 # -------------------------------------------------------------------------------------------
 def _compare_values(
-    p: _Prepared,
-    stats: list[KeyStats],
-    findings: list[Finding],
-    rtol: float | None,
-    atol: float | None,
-    equal_nan: bool,
-    budget: int,
+    p: _Prepared, stats: list[KeyStats], findings: list[Finding], s: _Settings
 ) -> int:
     """Reads and compares every local piece in batches under the budget; returns bytes read.
 
@@ -315,17 +357,19 @@ def _compare_values(
     small and warm instead of a budget's worth of freshly faulted pages. A batch holds pieces
     on one device only (shards offloaded to the CPU beside shards on a GPU are batched apart).
     """
-    step = batch_bytes(budget)
+    step = batch_bytes(s.budget)
     entries = p.source.entries()
     batches: dict[torch.device, list[list[_Work]]] = {}
     held: dict[torch.device, int] = {}
     for i, (item, lay) in enumerate(zip(p.match.items, p.layouts)):
         if lay is None:
-            stats[i].errors += 1
+            if i in p.blocked:
+                stats[i].errors += 1
             continue
+        stats[i].owner = lay.owner
         entry = entries[item.ckpt_key]
         assert entry.dtype is not None
-        tol = tolerance(lay.dtype, entry.dtype, rtol, atol)
+        tol = tolerance(lay.dtype, entry.dtype, s.rtol, s.atol)
         elsize = entry.dtype.itemsize
         saved = p.source.chunks(item.ckpt_key)
         for piece in lay.pieces:
@@ -372,7 +416,7 @@ def _compare_values(
                 refs,
                 boxes=[w.box for w in works],
                 settings=[(*w.tol, w.fingerprint) for w in works],
-                equal_nan=equal_nan,
+                equal_nan=s.equal_nan,
             )
             for w, diff in zip(works, diffs):
                 stats[w.key_index].add(diff, w.box)

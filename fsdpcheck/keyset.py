@@ -1,0 +1,138 @@
+"""The job's key set: what the ranks hold, agreed with O(keys) bytes per rank.
+
+Ranks of a pipeline-parallel job hold different keys (each stage its layers); every other job
+holds the same keys on every rank. ``agree_keys`` gives every rank the same merged view either
+way: when every rank's names digest the same (one all-reduce of 4 words), its own names are
+the job's; otherwise each distinct list travels once (``collectives.distinct``) and the union is
+taken, in the order of the lowest rank holding each list. Ranks that disagree about a key they
+both hold (its global shape or dtype) are named. A setup error on any rank, or ranks that see
+different checkpoints, end the agreement on every rank with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdpcheck.collectives import Comm, distinct
+from fsdpcheck.layout import Meta
+from fsdpcheck.live import LiveState
+from fsdpcheck.report import Finding
+
+
+@dataclass
+class KeySet:
+    """What the ranks agreed on.
+
+    Attributes:
+        live: The job's names (values are ``Meta``): the union over the ranks.
+        error: Why the call cannot go on (the same text on every rank), or None.
+        error_ranks: The ranks the error happened on.
+        checkpoint: The checkpoint description every rank agreed on ("" without one).
+        findings: Keys the ranks hold with different global shapes or dtypes.
+        stages: Distinct sets of key names in the job (1 unless pipeline stages differ).
+    """
+
+    live: LiveState
+    error: str | None = None
+    error_ranks: list[int] = field(default_factory=list)
+    checkpoint: str = ""
+    findings: list[Finding] = field(default_factory=list)
+    stages: int = 1
+
+
+def agree_keys(
+    comm: Comm,
+    live: LiveState | None,
+    *,
+    error: str | None = None,
+    checkpoint: tuple[str, str] = ("", ""),
+) -> KeySet:
+    """Agrees on the job's live names (and the checkpoint) across ranks.
+
+    Args:
+        comm: The group.
+        live: This rank's live state (None when reading it failed: pass `error`).
+        error: This rank's setup error (one line), or None.
+        checkpoint: (description, identity digest) of the checkpoint this rank opened.
+
+    Returns:
+        The KeySet, identical on every rank.
+    """
+    names = live.names_only() if live is not None and error is None else LiveState()
+    payload = (error, checkpoint[1], checkpoint[0], names)
+    groups, past = distinct(comm, payload)
+    failed = [g for g in groups if g.payload[0] is not None]
+    if failed or past:
+        ranks = sorted(r for g in failed for r in g.ranks) + past
+        message = failed[0].payload[0] if failed else "too many ranks failed in different ways"
+        if len(ranks) > 1:
+            message += f" (and on ranks {ranks[1:17]}{' ...' if len(ranks) > 17 else ''})"
+        first = groups[0].payload[2] if groups else ""
+        return KeySet(LiveState(), message, ranks, checkpoint=first)
+    if len({g.payload[1] for g in groups}) > 1:
+        where = "; ".join(f"ranks {g.ranks[:8]} see {g.payload[2]}" for g in groups[:4])
+        return KeySet(
+            LiveState(),
+            "ranks see different checkpoints (is the checkpoint on a filesystem every rank "
+            f"shares, and did every rank pass the same path?): {where}",
+        )
+    merged, conflicts = _union([(g.ranks, g.payload[3]) for g in groups])
+    stages = len({frozenset(g.payload[3].tensors()) for g in groups})
+    return KeySet(merged, checkpoint=groups[0].payload[2], findings=conflicts, stages=stages)
+
+
+def _union(views: list[tuple[list[int], LiveState]]) -> tuple[LiveState, list[Finding]]:
+    """The union of the ranks' names; keys held with different metas are findings."""
+    if len(views) == 1:
+        return views[0][1], []
+    out = LiveState()
+    seen: dict[str, tuple[Meta, list[int]]] = {}
+    findings: list[Finding] = []
+    groups = [v.param_groups for _, v in views]
+    for ranks, v in views:
+        for target, source in ((out.model, v.model), (out.buffers, v.buffers)):
+            for k, meta in source.items():
+                _put(target, k, meta, ranks, seen, findings)
+        out.tied.update(v.tied)
+        out.adapters = tuple(dict.fromkeys(out.adapters + v.adapters))
+        if v.optim_state is not None:
+            if out.optim_state is None:
+                out.optim_state = {}
+            for fqn, states in v.optim_state.items():
+                mine = out.optim_state.setdefault(fqn, {})
+                for name, meta in states.items():
+                    _put(mine, name, meta, ranks, seen, findings, key=f"optim.state.{fqn}.{name}")
+    # The parameter order maps integer optimizer ids; it is the job's only if every rank has it.
+    out.param_groups = groups[0] if all(g == groups[0] for g in groups) else None
+    return out, findings
+
+
+def _put(
+    target: dict[str, Any],
+    k: str,
+    meta: Any,
+    ranks: list[int],
+    seen: dict[str, tuple[Meta, list[int]]],
+    findings: list[Finding],
+    key: str | None = None,
+) -> None:
+    name = key or k
+    if name in seen and seen[name][0] != meta:
+        first, where = seen[name]
+        kind = "shape" if first.shape != meta.shape else "dtype"
+        findings.append(
+            Finding(
+                name,
+                kind,
+                f"ranks disagree about it: ranks {where[:8]} hold {first.shape} {first.dtype}, "
+                f"ranks {ranks[:8]} hold {meta.shape} {meta.dtype}",
+                ranks=sorted(where + ranks),
+            )
+        )
+        return
+    seen.setdefault(name, (meta, ranks))
+    target.setdefault(k, meta)
+
+
+__all__ = ["KeySet", "agree_keys"]
