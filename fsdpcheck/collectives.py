@@ -319,10 +319,7 @@ def combine(
     inf = float("inf")
     # Round 1 (MIN of float64): maxima as negations, the lowest holder of keys whose owner is
     # not given by their layout, and the slowest rank's time.
-    r1 = [
-        [-s.max_abs, -s.max_rel, float(comm.rank) if s.holders and s.owner is None else inf]
-        for s in stats
-    ]
+    r1 = [[-s.max_abs, -s.max_rel, float(comm.rank) if s.holders else inf] for s in stats]
     r1.append([-seconds, 0.0, 0.0])
     g1 = comm.all_reduce(torch.tensor(r1, dtype=torch.float64), dist.ReduceOp.MIN).tolist()
     gmax = [(-a, -b) for a, b, _ in g1[:k]]
@@ -345,7 +342,7 @@ def combine(
     # Round 4 (SUM): counts, and the copies: the counted ones and all of them, as 32-bit halves.
     rows = []
     for s, low in zip(stats, lowest):
-        owner = s.owner if s.owner is not None else (s.holders > 0 and low == comm.rank)
+        owner = _owner(comm, s, low)
         fp = s.fp
         if fp is None:
             copy = [0] * 10
@@ -394,6 +391,18 @@ def combine(
     totals = Totals(seconds=-g1[k][0], bytes_read=summed[k][0])
     _replica_detail(comm, stats, out)
     return out, totals
+
+
+def _owner(comm: Comm, s: KeyStats, lowest: int) -> bool:
+    """Whether this rank's copy is counted (see ``KeyStats``): each box exactly once."""
+    if not s.holders:
+        return False
+    if s.owner is None:
+        return lowest == comm.rank
+    if s.mesh_ranks is not None and len(s.mesh_ranks) < comm.world:
+        root = lowest if comm.group is None else dist.get_global_rank(comm.group, lowest)
+        return s.owner and root in s.mesh_ranks
+    return s.owner
 
 
 def _replica_detail(comm: Comm, stats: Sequence[KeyStats], out: list[Combined]) -> None:

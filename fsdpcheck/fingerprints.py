@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdpcheck import matching
-from fsdpcheck.box import Box, ravel
+from fsdpcheck.box import Box
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
@@ -118,107 +118,88 @@ def fingerprint_report(
     optimizer: Any = None,
     group: Any = None,
 ) -> FingerprintResult:
-    """Fingerprints and replica findings in one pass (see ``fingerprint``)."""
-    from fsdpcheck.collectives import Comm
+    """Fingerprints and replica findings in one pass (see ``fingerprint``).
+
+    Collective, with O(keys) bytes per rank at any world size (NOTE: [bytes per rank] in
+    ``collectives``): the ranks agree on the job's keys (pipeline stages may hold different
+    ones), each rank fingerprints the boxes it holds in one fused pass, and one row per key is
+    all-reduced: the fingerprint is the sum of the counted copies (each box once), the replica
+    check compares every copy with them.
+    """
+    from fsdpcheck.collectives import Comm, combine, gather_findings
+    from fsdpcheck.keyset import agree_keys
     from fsdpcheck.layout import local_layout
     from fsdpcheck.live import live_state
+    from fsdpcheck.stats import KeyStats
 
     comm = Comm(group)
-    rows: list[tuple[str, int, int, int]] = []  # key, box id, numel, fingerprint
-    errors: list[tuple[str, str, str]] = []
-    numels: dict[str, int] = {}
-    layouts: dict[str, Layout] = {}
-    tied: dict[str, str] = {}
+    local: list[Finding] = []
+    live = None
+    error = None
     try:
-        state = live_state(model_or_state_dict, optimizer)
-        tied = state.tied
-        errors += state.problems
-        live = state.tensors(dedupe_tied=True)
+        live = live_state(model_or_state_dict, optimizer)
+    except Exception as exc:  # never leave the other ranks waiting in the agreement below
+        error = describe_error(exc)
+    ks = agree_keys(comm, live, error=error)
+    result = FingerprintResult()
+    if ks.error is not None:
+        rank = ks.error_ranks[0] if ks.error_ranks else None
+        result.findings = [Finding("*", "error", ks.error, rank=rank, ranks=ks.error_ranks)]
+        return result
+    assert live is not None
+    result.tied = dict(ks.live.tied)
+    job = ks.live.tensors(dedupe_tied=True)
+    keys = sorted(job)
+    mine = live.tensors(dedupe_tied=True)
+    stats = [KeyStats() for _ in keys]
+    try:
+        local += [Finding(k, kind, msg) for k, kind, msg in live.problems]
         tensors, boxes, owners = [], [], []
-        for key in sorted(live):
-            lay = layouts[key] = local_layout(live[key], comm.world)
-            numels[key] = math.prod(lay.global_shape)
+        for i, key in enumerate(keys):
+            value = mine.get(key)
+            if value is None:
+                continue  # another stage's key
+            lay = result.layouts[key] = local_layout(value, comm.world)
             if lay.error is not None:
-                errors.append((key, "layout", lay.error))
+                local.append(Finding(key, "layout", lay.error))
+                stats[i].errors = 1
                 continue
             if lay.dtype not in SUPPORTED_DTYPES:
-                errors.append((key, "layout", f"dtype {lay.dtype} cannot be fingerprinted"))
+                local.append(Finding(key, "layout", f"dtype {lay.dtype} cannot be fingerprinted"))
+                stats[i].errors = 1
                 continue
+            stats[i].holders, stats[i].owner = 1, lay.owner
+            stats[i].mesh_ranks = lay.mesh_ranks
+            if lay.pieces:
+                stats[i].fp = 0  # a copy, even of an empty box (its fingerprint is 0)
             for piece in lay.pieces:
                 tensors.append(piece.tensor)
                 boxes.append(piece.box)
-                owners.append(key)
+                owners.append(i)
         fps = fingerprint_tensors(tensors, boxes=boxes) if tensors else []
-        for key, box, fp, t in zip(owners, boxes, fps, tensors):
-            assert box.offset is not None
-            rows.append((key, ravel(box.offset, box.shape), t.numel(), fp))
-    except Exception as exc:  # never leave the other ranks waiting in the gather below
-        errors.append(("*", "error", describe_error(exc)))
-    gathered = comm.all_gather_object((rows, errors, numels))
-    result = _assemble(gathered)
-    result.layouts = layouts
-    result.tied = tied
-    return result
-
-
-def _assemble(gathered: list[Any]) -> FingerprintResult:
-    result = FingerprintResult()
-    world = len(gathered)
-    # key -> box -> fingerprint -> ranks holding that content
-    copies: dict[str, dict[int, dict[int, list[int]]]] = {}
-    box_numel: dict[tuple[str, int], int] = {}
-    numels: dict[str, int] = {}
-    holders: dict[str, list[int]] = {}
-    findings: list[Finding] = []
-    for rank, (rows, errors, nums) in enumerate(gathered):
-        for key, n in nums.items():
-            numels[key] = n
-            holders.setdefault(key, []).append(rank)
-        for key, box, numel, fp in rows:
-            copies.setdefault(key, {}).setdefault(box, {}).setdefault(fp, []).append(rank)
-            box_numel[(key, box)] = numel
-        for key, kind, msg in errors:
-            findings.append(Finding(key, kind, msg, rank=rank, ranks=[rank]))
-    partial = {k for k, r in holders.items() if len(r) != world}
-    for key in sorted(partial):
-        absent = [r for r in range(world) if r not in holders[key]]
-        findings.append(
-            Finding(
-                key,
-                "error",
-                f"only ranks {holders[key]} have this key (ranks {absent} do not): every rank "
-                "must hold the same keys, so it cannot be fingerprinted",
-                ranks=holders[key],
-            )
-        )
-    for key in sorted(copies):
-        if key in partial:
+        for i, box, fp, t in zip(owners, boxes, fps, tensors):
+            stats[i].add_copy(fp, box, t.numel())
+    except Exception as exc:  # never leave the other ranks waiting in the reductions below
+        local.append(Finding("*", "error", describe_error(exc)))
+    combined, _ = combine(comm, stats)
+    findings = list(ks.findings) + gather_findings(comm, local)
+    for key, c in zip(keys, combined):
+        if c.errors or c.fingerprint is None:
             continue
-        total, covered = 0, 0
-        for box in sorted(copies[key]):
-            versions = copies[key][box]
-            # Counted once: the content the lowest rank holds.
-            first = min(versions, key=lambda fp: min(versions[fp]))
-            total = (total + first) & MASK64
-            covered += box_numel[(key, box)]
-            if len(versions) > 1:
-                groups = sorted(versions.values(), key=lambda r: (-len(r), r))
-                findings.append(Finding.replica(key, groups))
-        if covered != numels.get(key, covered):
+        numel = math.prod(job[key].shape)
+        if c.replicas_disagree:
+            findings.append(Finding.replica(key, c.replica_groups))
+        if c.covered != numel:
             findings.append(
                 Finding(
                     key,
                     "layout",
-                    f"the ranks' boxes cover {covered} of {numels[key]} elements (overlapping "
-                    "or missing shards); its fingerprint would be wrong",
+                    f"the ranks' boxes cover {c.covered} of {numel} elements (overlapping or "
+                    "missing shards); its fingerprint would be wrong",
                 )
             )
             continue
-        result.fingerprints[key] = total
-    for key, n in numels.items():
-        if n == 0 and key not in result.fingerprints and key not in copies and key not in partial:
-            result.fingerprints[key] = 0  # an empty tensor
-    result.fingerprints = dict(sorted(result.fingerprints.items()))
+        result.fingerprints[key] = c.fingerprint
     result.findings = normalized(findings)
     return result
 

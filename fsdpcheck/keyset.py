@@ -31,6 +31,7 @@ class KeySet:
         checkpoint: The checkpoint description every rank agreed on ("" without one).
         findings: Keys the ranks hold with different global shapes or dtypes.
         stages: Distinct sets of key names in the job (1 unless pipeline stages differ).
+        partial: Keys that not every rank holds -> the lowest rank holding them (to name it).
     """
 
     live: LiveState
@@ -39,6 +40,7 @@ class KeySet:
     checkpoint: str = ""
     findings: list[Finding] = field(default_factory=list)
     stages: int = 1
+    partial: dict[str, int] = field(default_factory=dict)
 
 
 def agree_keys(
@@ -78,8 +80,21 @@ def agree_keys(
             f"shares, and did every rank pass the same path?): {where}",
         )
     merged, conflicts = _union([(g.ranks, g.payload[3]) for g in groups])
-    stages = len({frozenset(g.payload[3].tensors()) for g in groups})
-    return KeySet(merged, checkpoint=groups[0].payload[2], findings=conflicts, stages=stages)
+    sets = [(g.ranks[0], set(g.payload[3].tensors()) | set(g.payload[3].buffers)) for g in groups]
+    partial: dict[str, int] = {}
+    if len(sets) > 1:
+        everywhere = set.intersection(*(held for _, held in sets))
+        for first, held in sets:
+            for n in held - everywhere:
+                partial.setdefault(n, first)
+    stages = len({frozenset(held) for _, held in sets})
+    return KeySet(
+        merged,
+        checkpoint=groups[0].payload[2],
+        findings=conflicts,
+        stages=stages,
+        partial=partial,
+    )
 
 
 def _union(views: list[tuple[list[int], LiveState]]) -> tuple[LiveState, list[Finding]]:

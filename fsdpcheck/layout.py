@@ -44,6 +44,9 @@ class Layout:
         owner: Whether this rank's copy is the one a fingerprint counts, when the layout says
             (a DTensor: the rank at coordinate 0 of its Replicate dims); None: the lowest rank
             holding the key counts (plain tensors, replicated everywhere they are held).
+        mesh_ranks: The global ranks of a DTensor's mesh. A mesh smaller than the job (the
+            data-parallel sub-mesh of a 2D job, one pipeline stage's) has copies on other
+            meshes: only the mesh holding the lowest rank that holds the key counts its boxes.
     """
 
     global_shape: tuple[int, ...]
@@ -54,6 +57,7 @@ class Layout:
     description: str = "tensor"
     error: str | None = None
     owner: bool | None = None
+    mesh_ranks: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class _Placed:
     description: str
     replicated: bool
     owner: bool
+    mesh_ranks: frozenset[int]
     error: str | None
     offset: tuple[int, ...] | None  # None: this rank is not in the mesh
     size: tuple[int, ...] | None
@@ -149,23 +154,24 @@ def _work_out(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> _Placed:
     desc = f"DTensor {placements} on mesh {tuple(mesh.shape)}"
     replicate = [m for m, p in enumerate(placements) if _compat.is_replicate(p)]
     replicated = any(mesh.size(m) > 1 for m in replicate)
+    ranks = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
     if any(_compat.is_partial(p) for p in placements):
         error = (
             f"{desc} has a Partial placement: its local data is a pending reduction, not a "
             "slice of the tensor; call .redistribute() to Replicate/Shard (or .full_tensor()) "
             "before checking"
         )
-        return _Placed(desc, replicated, False, error, None, None)
+        return _Placed(desc, replicated, False, ranks, error, None, None)
     coord = _compat.mesh_coordinate(mesh)
     if coord is None:
-        return _Placed(desc, replicated, False, None, None, None)  # holds nothing
+        return _Placed(desc, replicated, False, ranks, None, None, None)  # holds nothing
     owner = all(coord[m] == 0 for m in replicate)
     try:
         offset, size = _box_of(shape, mesh, placements, coord)
     except _NotABox as exc:
         error = f"{desc}: {exc}; fsdpcheck checks only layouts whose local data is a box"
-        return _Placed(desc, replicated, owner, error, None, None)
-    return _Placed(desc, replicated, owner, None, offset, size)
+        return _Placed(desc, replicated, owner, ranks, error, None, None)
+    return _Placed(desc, replicated, owner, ranks, None, offset, size)
 
 
 def _dtensor_layout(value: torch.Tensor) -> Layout:
@@ -177,6 +183,7 @@ def _dtensor_layout(value: torch.Tensor) -> Layout:
     desc = placed.description
     layout = Layout(shape, local.dtype, local.device, description=desc)
     layout.replicated, layout.owner, layout.error = placed.replicated, placed.owner, placed.error
+    layout.mesh_ranks = placed.mesh_ranks
     if placed.error is not None or placed.offset is None or placed.size is None:
         return layout
     offset, size = placed.offset, placed.size

@@ -26,7 +26,8 @@ class KeyStats:
     whether this rank's copy is the one counted (True/False for layouts that say, e.g. the
     rank at coordinate 0 of a DTensor's Replicate dims; None: the lowest rank holding the key),
     ``copy_numel`` the elements its pieces cover, ``replicated`` whether other ranks hold
-    copies of the same elements.
+    copies of the same elements, ``mesh_ranks`` the global ranks of a DTensor's mesh (when it is
+    smaller than the job, the mesh holding the lowest rank holding the key counts).
     """
 
     numel: int = 0
@@ -47,6 +48,7 @@ class KeyStats:
     owner: bool | None = None
     copy_numel: int = 0
     replicated: bool = False
+    mesh_ranks: frozenset[int] | None = None
 
     def add(self, d: TensorDiff, box: Box) -> None:
         """Adds one comparison result (maxima by global linear index, ties to the smallest)."""

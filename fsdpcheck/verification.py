@@ -194,7 +194,8 @@ def _verify(
     combined, totals = combine(comm, stats, time.perf_counter() - t0, bytes_read)
     # Ranks holding one key differently: the per-key checks name it where it is paired.
     paired = {item.key for item in m.items}
-    findings = list(m.findings) + [f for f in ks.findings if f.key not in paired]
+    findings = [_held_by(f, ks.partial) for f in m.findings]
+    findings += [f for f in ks.findings if f.key not in paired]
     findings += gather_findings(comm, local)
     entries = source.entries()
     checked = 0
@@ -222,6 +223,14 @@ def _verify(
             "checked on the ranks that hold it"
         )
     return report
+
+
+def _held_by(f: Finding, partial: Mapping[str, int]) -> Finding:
+    """A pairing finding about a key only some ranks hold names the lowest of them."""
+    rank = partial.get(f.key)
+    if rank is not None and f.rank is None:
+        f.rank, f.ranks = rank, [rank]
+    return f
 
 
 def _failed(report: Report, message: str, ranks: list[int], t0: float) -> Report:
@@ -366,7 +375,7 @@ def _compare_values(
             if i in p.blocked:
                 stats[i].errors += 1
             continue
-        stats[i].owner = lay.owner
+        stats[i].owner, stats[i].mesh_ranks = lay.owner, lay.mesh_ranks
         entry = entries[item.ckpt_key]
         assert entry.dtype is not None
         tol = tolerance(lay.dtype, entry.dtype, s.rtol, s.atol)

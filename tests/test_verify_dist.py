@@ -275,12 +275,22 @@ def inputs_that_differ_on_one_rank_give_one_verdict_everywhere(r, case):
     assert "different paths" in r["save_paths_differ"] and r["save_wrote_nothing"]
     dtype = findings(r["dtype_on_3"], "dtype")
     assert [(f["key"], f["rank"]) for f in dtype] == [("head.bias", 3)], r["dtype_on_3"]["text"]
-    assert "only ranks [2] have this key (ranks [0, 1, 3] do not)" in r["fingerprint_extra_on_2"]
-    (f,) = findings(r["replicas_extra_on_2"], "error")
-    assert f["key"] == "extra.weight" and f["ranks"] == [2]
+    assert r["fingerprint_extra_on_2"] == {"extra.weight": f"{fingerprint_of_ones(3):#x}"}
+    assert r["replicas_extra_on_2"]["ok"], r["replicas_extra_on_2"]["text"]
+    (f,) = r["verify_extra_on_2"]["findings"]
+    assert (f["key"], f["kind"], f["rank"]) == ("extra.weight", "missing", 2)
+    assert "2 different sets of keys" in r["verify_extra_on_2"]["text"]
     (f,) = findings(r["param_groups_fail_on_1"])
     assert (f["key"], f["kind"], f["rank"]) == ("optim.param_groups", "error", 1)
     assert "simulated on rank 1" in f["message"]
+
+
+def fingerprint_of_ones(n: int) -> int:
+    import torch
+
+    import fsdpcheck
+
+    return fsdpcheck.fingerprint_tensor(torch.ones(n))
 
 
 # --- the world-4 checkpoint loaded at 2 and 3 ranks -----------------------------------------------

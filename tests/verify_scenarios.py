@@ -541,8 +541,13 @@ def one_rank_differs(w: World) -> Any:
     sd = dict(get_model_state_dict(b.fresh))
     if w.rank == 2:
         sd["extra.weight"] = torch.ones(3)
-    out["fingerprint_extra_on_2"] = error_of(lambda: fingerprint(sd))
+    # A key only one rank holds is that rank's (as a pipeline stage's keys are): fingerprinted
+    # from it, and verify names it as missing from the checkpoint, on rank 2, everywhere.
+    out["fingerprint_extra_on_2"] = {
+        k: f"{v:#x}" for k, v in fingerprint(sd).items() if k == "extra.weight"
+    }
     out["replicas_extra_on_2"] = report(fsdpcheck.check_replicas(sd))
+    out["verify_extra_on_2"] = verify(sd, w.ckpts["fsdp4"])
     # verify: reading param_groups fails on rank 1 only.
     vmod = importlib.import_module("fsdpcheck.verification")
     real = vmod._check_param_groups
