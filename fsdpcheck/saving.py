@@ -1,16 +1,19 @@
 """fsdpcheck.save: a DCP checkpoint with a fingerprint manifest, written atomically.
 
-save writes into a temporary sibling directory that is renamed into place once every rank has
-finished; the manifest of a checkpoint another library wrote is built here too (trainer
-integrations write one at each save).
+save writes into a scratch sibling directory that takes the target's place in one atomic step
+once every rank has finished (NOTE: [atomic publication]); the manifest of a checkpoint another
+library wrote is built here too (trainer integrations write one at each save).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import errno
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,18 @@ import torch
 from fsdpcheck import _version, matching
 from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
+from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.live import inner_optimizers
-from fsdpcheck.manifest import Manifest, ManifestEntry, write_manifest
+from fsdpcheck.manifest import (
+    MANIFEST_NAME,
+    FileIdentity,
+    Manifest,
+    ManifestEntry,
+    fsync_dir,
+    identify,
+    write_manifest,
+)
+from fsdpcheck.report import describe_error, root_cause
 from fsdpcheck.sources import Source, open_source
 from fsdpcheck.sources.dcp import DCPSource
 
@@ -62,20 +75,22 @@ def save(
         FileExistsError: `path` holds something and `overwrite` is False (on every rank).
     """
     comm = Comm(group)
-    target = Path(path).absolute()
+    given = Path(path).absolute()
+    target = resolve_target(given)
     token = secrets.token_hex(6)
-    paths = comm.all_gather_object((str(target), token))
-    if len({p for p, _ in paths}) != 1:
+    paths = comm.all_gather_object((str(given), str(target), token))
+    if len({p[:2] for p in paths}) != 1:
         raise RuntimeError(
             "fsdpcheck.save: the ranks were given different paths "
-            f"({sorted({p for p, _ in paths})}); every rank must save to the same directory"
+            f"({sorted({p for p, _, _ in paths})}) or see them lead to different directories "
+            f"({sorted({t for _, t, _ in paths})}); every rank must save to the same directory"
         )
-    tmp = target.parent / f".{target.name}.fsdpcheck-tmp-{paths[0][1]}"
+    tmp = scratch_dir(target, paths[0][2])
 
     def prepare() -> dict[str, Any]:
         if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
             raise FileExistsError(
-                f"{target} exists and is not empty; pass overwrite=True to replace it"
+                f"{given} exists and is not empty; pass overwrite=True to replace it"
             )
         optimizers = inner_optimizers(optimizer) if optimizer is not None else []
         empty = [i for i, o in enumerate(optimizers) if not o.state]
@@ -86,28 +101,55 @@ def save(
                 "initialise it; step it first or save without optimizer="
             )
         if comm.rank == 0:
+            remove_leftovers(target)
             tmp.mkdir(parents=True)
         return _save_state(model, optimizers)
 
-    state = agree(comm, prepare, f"fsdpcheck.save to {target}")
+    state = agree(comm, prepare, f"fsdpcheck.save to {given}")
+    _step("scratch made")
     try:
-        from torch.distributed.checkpoint import save as dcp_save
-
-        dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
+        _dcp_save(state, tmp, given, group, comm)
+        _step("state written")
         fps = fingerprint_report(model, optimizer=optimizer, group=group)
         manifest = agree(comm, lambda: _saved_manifest(tmp, fps, comm), "building the manifest")
 
         def publish() -> None:
             if comm.rank == 0:
                 write_manifest(tmp, manifest)
-                _replace(tmp, target)
+                _step("manifest written")
+                publish_dir(tmp, target)
 
-        agree(comm, publish, f"moving the checkpoint into {target}")
+        agree(comm, publish, f"moving the checkpoint into {given}")
     except BaseException:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, comm: Comm) -> None:
+    """DCP's save into the scratch directory; its failure in one line naming the root cause."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    try:
+        dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        lost = comm.lost_rank(exc, "fsdpcheck.save (DCP writing the state)")
+        if lost is not None:
+            raise lost from None
+        rank, cause = root_cause(exc)
+        on = f" on rank {rank}" if rank is not None and comm.world > 1 else ""
+        message = (
+            f"fsdpcheck.save to {given} failed{on}: {describe_error(cause)} (while DCP wrote "
+            f"the state into {tmp.name}; {given} is as it was)"
+        )
+        if isinstance(cause, OSError):
+            err = OSError(message)
+            err.errno = cause.errno
+            raise err from None
+        raise RuntimeError(message) from None
 
 
 def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]:
@@ -120,13 +162,20 @@ def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]
     return {"model": get_model_state_dict(model)}
 
 
-def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> Manifest:
+def build_manifest(
+    source: Source,
+    fps: FingerprintResult,
+    world_size: int,
+    files: dict[str, FileIdentity] | None = None,
+) -> Manifest:
     """The manifest of a checkpoint from the fingerprint pass over the live state it holds.
 
     Args:
         source: The checkpoint as written (its keys name each entry's ``checkpoint_key``).
         fps: ``fingerprint_report`` of the live model (and optimizer) that was saved.
         world_size: Ranks that saved it.
+        files: The identities of the files that name this save (``save_identities``), by
+            path relative to the manifest's folder.
     """
     keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
     by_name = {name: r.key for name, r in keys.by_name().items()}
@@ -154,6 +203,7 @@ def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> M
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tied=dict(fps.tied),
         findings_at_save=[f.describe() for f in fps.findings],
+        files=dict(files or {}),
     )
 
 
@@ -187,9 +237,10 @@ def write_checkpoint_manifest(
         # ranks may see the folder before it is complete. A failure still reaches every rank.
         if comm.rank != 0:
             return None
-        source = open_source(files() if files is not None else root)
+        parts = files() if files is not None else [root]
+        source = open_source(parts if files is not None else root)
         try:
-            manifest = build_manifest(source, fps, comm.world)
+            manifest = build_manifest(source, fps, comm.world, save_identities(root, parts))
         finally:
             source.close()
         write_manifest(root, manifest)
@@ -203,20 +254,118 @@ def write_checkpoint_manifest(
 def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Comm) -> Manifest:
     source = DCPSource(tmp)
     try:
-        return build_manifest(source, fps, comm.world)
+        return build_manifest(source, fps, comm.world, save_identities(tmp, [tmp]))
     finally:
         source.close()
 
 
-def _replace(tmp: Path, target: Path) -> None:
-    """Renames `tmp` to `target`; an existing target is moved aside first, then removed."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.fsdpcheck-old-{secrets.token_hex(6)}"
-        target.rename(old)
-    tmp.rename(target)
-    if old is not None:
-        if old.is_dir():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+def save_identities(root: Path, parts: list[Path]) -> dict[str, FileIdentity]:
+    """The files that tell this save from a later one, by path relative to `root`.
+
+    A DCP directory is named by its ``.metadata`` (DCP writes a fresh save id into it at every
+    save); a single file by itself. Parts outside `root` are left out.
+    """
+    out = {}
+    for part in parts:
+        f = part / ".metadata" if is_dcp_dir(part) else part
+        try:
+            rel = f.absolute().relative_to(root.absolute())
+        except ValueError:
+            continue
+        if f.is_file() and rel.name != MANIFEST_NAME:
+            out[rel.as_posix()] = identify(f)
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# NOTE: [atomic publication] At every instant the target path holds either the old complete
+# checkpoint or the new complete one, whatever kills the process:
+# - every rank writes into a scratch sibling, ``.<name>.fsdpcheck-tmp-<token>`` (hidden, and
+#   never a name any reader recognises as a checkpoint); the manifest goes in last, itself
+#   written to a hidden file, flushed and renamed;
+# - the scratch directory then takes the target's place in ONE step: rename(2) when there is
+#   no target or an empty directory, renameat2(RENAME_EXCHANGE) over an existing checkpoint
+#   (the two names swap atomically; Linux 3.15+, on ext4, xfs, btrfs, tmpfs, overlayfs, ...),
+#   after which the old checkpoint, now under the scratch name, is deleted;
+# - a kill leaves at most a scratch directory (half-written, or the old checkpoint half
+#   deleted), which the next save to the same target removes before it starts.
+# Where the filesystem cannot exchange (EINVAL: NFS, FUSE, CIFS, ...) the old checkpoint is
+# renamed aside first, so between the two renames the target is briefly absent; the old one is
+# whole under ``.<name>.fsdpcheck-old-<token>``. A symlinked target is written through: the
+# link stays and the directory it leads to is replaced (its leftovers sit beside that).
+
+# Called with the name of each step of a save once it is done (tests kill the process there).
+_STEP_HOOK: Callable[[str], None] | None = None
+_LEFTOVER_TAGS = (".fsdpcheck-tmp-", ".fsdpcheck-old-")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _step(name: str) -> None:
+    if _STEP_HOOK is not None:
+        _STEP_HOOK(name)
+
+
+def resolve_target(path: Path) -> Path:
+    """The directory a save to `path` replaces: `path`, or where its symlinks lead."""
+    return Path(os.path.realpath(path))
+
+
+def scratch_dir(target: Path, token: str) -> Path:
+    """The scratch sibling a save to `target` writes into."""
+    return target.parent / f".{target.name}{_LEFTOVER_TAGS[0]}{token}"
+
+
+def remove_leftovers(target: Path) -> list[str]:
+    """Removes what killed saves to `target` left beside it; returns their names."""
+    if not target.parent.is_dir():
+        return []
+    removed = []
+    prefixes = tuple(f".{target.name}{tag}" for tag in _LEFTOVER_TAGS)
+    for q in target.parent.iterdir():
+        if q.name.startswith(prefixes):
+            _remove(q)
+            removed.append(q.name)
+    return removed
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Puts `tmp` in `target`'s place atomically (NOTE: [atomic publication])."""
+    if not os.path.lexists(target) or (target.is_dir() and not any(target.iterdir())):
+        # rename(2) onto nothing, or onto an empty directory, is one atomic step; if something
+        # appears there meanwhile it fails (ENOTEMPTY, EEXIST) and replaces nothing.
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        _step("published")
+        _remove(tmp)  # the old checkpoint, under the scratch name now
+    else:
+        old = target.parent / f".{target.name}{_LEFTOVER_TAGS[1]}{tmp.name.rsplit('-', 1)[-1]}"
+        os.rename(target, old)
+        _step("old moved aside")
+        os.rename(tmp, target)
+        _step("published")
+        _remove(old)
+    fsync_dir(target.parent)
+    _step("old removed")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths atomically (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:  # glibc before 2.28
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
