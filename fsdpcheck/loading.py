@@ -20,11 +20,11 @@ from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.live import inner_optimizers, model_canonicalizer
-from fsdpcheck.manifest import Manifest, read_manifest
-from fsdpcheck.report import Report, normalized
+from fsdpcheck.manifest import Manifest, read_manifest, stale_reason
+from fsdpcheck.report import Report, describe_error, normalized, root_cause
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, open_path, open_source, refuse_problems
-from fsdpcheck.sources.base import CheckpointError, one_line
+from fsdpcheck.sources.base import CheckpointError
 from fsdpcheck.verification import verify as verify_full
 
 __all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "check_against_manifest", "load"]
@@ -98,6 +98,7 @@ def load(
         raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
     comm = Comm(group)
     plan = agree(comm, lambda: _preflight(path), f"checking {path} before loading")
+    _same_checkpoint(comm, path, plan)
     info = plan.info
     if expect is not None and expect != info.kind:
         hint = (
@@ -124,7 +125,7 @@ def load(
     report: Report
     manifest = plan.manifest
     if verify == "fingerprint" and manifest is None:
-        notes.append("no fsdpcheck manifest: verify='fingerprint' fell back to verify='full'")
+        notes.append("no usable manifest: verify='fingerprint' fell back to verify='full'")
         verify = "full"
     if verify == "fingerprint":
         assert manifest is not None
@@ -143,6 +144,10 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
     """Recognises the checkpoint and checks its structure; raises on anything wrong."""
     info = describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
+    stale = stale_reason(info.path, manifest) if manifest is not None else None
+    if stale is not None:  # it describes an earlier save: checked against, it would only mislead
+        info.notes.append(f"{stale}; not used")
+        manifest = None
     parts: list[tuple[Path, matching.CheckpointKeys]] = []
     for part in info.parts:
         source = open_path(part)
@@ -156,6 +161,30 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
         if is_dcp_dir(part):
             parts.append((part, keys))
     return _Plan(info, manifest, parts)
+
+
+def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> None:
+    """Refuses, on every rank alike, ranks that were given different checkpoints.
+
+    Ranks may load copies of one checkpoint from different paths, but a full checkpoint on one
+    rank and a sharded one on another would take different collectives, and wait for each
+    other forever: every rank compares what it found before anything else happens.
+    """
+    m = plan.manifest
+    mine = (
+        plan.info.kind,
+        plan.info.layout,
+        [p.name for p, _ in plan.parts],
+        # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
+        None if m is None else (m.created, len(m.entries), sorted(m.files.items())),
+    )
+    seen = comm.all_gather_object((str(path), plan.info.description, mine))
+    if any(s[2] != seen[0][2] for s in seen):
+        found = "; ".join(f"rank {r}: {p} ({d})" for r, (p, d, _) in enumerate(seen))
+        raise CheckpointError(
+            f"the ranks were given different checkpoints to load ({found}); every rank must "
+            "load the same checkpoint (nothing was loaded)"
+        )
 
 
 def _manifest_agrees(
@@ -246,6 +275,9 @@ def _load_dcp(
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        lost = comm.lost_rank(exc, f"load (DCP reading {d})")
+        if lost is not None:
+            raise lost from None
         raise CheckpointError(f"loading {d} failed: {_first_failure(exc)}") from None
     if msd is not None:
         set_model_state_dict(model, msd)
@@ -257,13 +289,8 @@ def _load_dcp(
 
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner: BaseException = failures[rank]
-        inner = getattr(inner, "exc", None) or inner  # torch wraps some as _WrappedException
-        return f"on rank {rank}: {one_line(inner)}"
-    return one_line(exc)
+    rank, cause = root_cause(exc)
+    return (f"on rank {rank}: " if rank is not None else "") + describe_error(cause)
 
 
 def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
