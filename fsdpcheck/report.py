@@ -88,24 +88,38 @@ _WORDS_SUFFICE = (OSError, ValueError, TypeError, LookupError)
 
 
 def root_cause(exc: BaseException) -> tuple[int | None, BaseException]:
-    """(rank, exception): the first failing rank's error inside DCP's ``CheckpointException``.
+    """(rank, exception): what really failed, and on which rank when DCP says.
 
     DCP gathers every rank's failure into one exception whose text is a traceback per rank and
     whose ``failures`` map ranks to ``(exception, stack summary)`` pairs (older torch: objects
-    with ``.exc``). Anything else is returned as it is, with no rank.
+    with ``.exc``): the first failing rank's own exception is taken. An error raised while
+    handling a system error (torch's zip writer reports a full disk as "unexpected pos 704 vs
+    598" while the OSError it swallowed is its context) gives way to that OSError, unless its
+    raiser replaced it on purpose (``raise ... from None``) or wrote it for people (fsdpcheck's
+    errors, OSError, ValueError, ...). No rank: None.
     """
+    rank = None
     failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict) or not failures:
-        return None, exc
-    rank = min(failures)
-    inner: Any = failures[rank]
-    if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-        inner = inner[0]
-    inner = getattr(inner, "exc", None) or inner
-    if not isinstance(inner, BaseException):
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner: Any = failures[rank]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]
+        inner = getattr(inner, "exc", None) or inner
+        if isinstance(inner, BaseException):
+            exc = inner
+    if isinstance(exc, _WORDS_SUFFICE):  # a message written for people already
         return rank, exc
-    nested_rank, inner = root_cause(inner)
-    return (rank if nested_rank is None else nested_rank), inner
+    seen = {id(exc)}
+    link: BaseException | None = exc
+    while link is not None:
+        if isinstance(link, OSError) and link.errno is not None and link is not exc:
+            return rank, link
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+        if link is not None and id(link) in seen:
+            break
+        seen.add(id(link))
+    return rank, exc
 
 
 @dataclass
