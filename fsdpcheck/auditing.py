@@ -10,9 +10,10 @@ from typing import Any
 
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
 from fsdpcheck.formats import describe_path, is_dcp_dir
-from fsdpcheck.manifest import MANIFEST_NAME, read_manifest, stale_reason
+from fsdpcheck.manifest import MANIFEST_NAME, read_manifest
 from fsdpcheck.matching import CheckpointKeys, checkpoint_keys, optim_key
 from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.saving import stale_reason
 from fsdpcheck.sources import open_path
 from fsdpcheck.sources.base import Entry
 from fsdpcheck.sources.tiling import Box, tiling_problems

@@ -20,8 +20,9 @@ from fsdpcheck.collectives import Comm, agree
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.live import inner_optimizers, model_canonicalizer
-from fsdpcheck.manifest import Manifest, read_manifest, stale_reason
+from fsdpcheck.manifest import Manifest, read_manifest
 from fsdpcheck.report import Report, describe_error, normalized, root_cause
+from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, open_path, open_source, refuse_problems
 from fsdpcheck.sources.base import CheckpointError
@@ -176,7 +177,7 @@ def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> N
         plan.info.layout,
         [p.name for p, _ in plan.parts],
         # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
-        None if m is None else (m.created, len(m.entries), sorted(m.files.items())),
+        None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
     )
     seen = comm.all_gather_object((str(path), plan.info.description, mine))
     if any(s[2] != seen[0][2] for s in seen):

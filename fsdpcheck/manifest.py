@@ -1,11 +1,11 @@
 """The fsdpcheck manifest (``fsdpcheck_manifest.json``): typed, validated before any use.
 
 Written by ``fsdpcheck.save`` next to a DCP checkpoint; holds per key its Fingerprint v1,
-global shape, dtype and checkpoint key, and the identity (size and a hash of its ends) of the
-files that name the save it belongs to (DCP's ``.metadata``, which carries a fresh save id at
-every save), so that a manifest left behind by an earlier save is told apart from a damaged
-checkpoint. A manifest is data from a file someone else may have written: it is parsed as JSON
-only, and every field is checked (one line naming the field) before anything reads it.
+global shape, dtype and checkpoint key, and which DCP save it was written for (the save id DCP
+writes into ``.metadata`` at every save, and a hash of that file), so that a manifest left behind
+by an earlier save is told apart from a damaged checkpoint. A manifest is data from a file
+someone else may have written: it is parsed as JSON only, and every field is checked (one line
+naming the field) before anything reads it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ MANIFEST_NAME = "fsdpcheck_manifest.json"
 MANIFEST_FORMAT = "fsdpcheck-manifest"
 MANIFEST_VERSION = 1
 _MAX_BYTES = 256 << 20  # a manifest of a 10**6-tensor checkpoint is ~200 MB; refuse beyond
-# A file's identity hashes its first and last bytes (the whole file when it is smaller).
-_IDENTITY_END_BYTES = 512 << 10
 # Leftovers of a manifest write that was killed before its rename (cleaned by the next write).
 _TMP_PREFIX = f".{MANIFEST_NAME}.tmp-"
 
@@ -44,15 +42,16 @@ class ManifestEntry:
 
 
 @dataclass(frozen=True)
-class FileIdentity:
-    """Which version of a file a manifest was written for: its size and a hash of its ends.
+class SaveIdentity:
+    """Which DCP save a manifest was written for.
 
-    DCP writes a new save id into ``.metadata`` at every save, so a later save into the same
-    folder changes it even when its tensors have the same names and shapes.
+    Attributes:
+        save_id: The id DCP writes into ``.metadata`` at every save (a new one each time).
+        metadata_sha256: The SHA-256 of that ``.metadata`` (unchanged: no need to read it).
     """
 
-    size: int
-    sha256: str
+    save_id: str
+    metadata_sha256: str
 
 
 @dataclass
@@ -71,9 +70,10 @@ class Manifest:
     #: Tied duplicate name -> the name it is tied to (listed once in ``entries``).
     tied: dict[str, str] = field(default_factory=dict)
     findings_at_save: list[str] = field(default_factory=list)
-    #: Files that identify the save, by path relative to the manifest's folder (empty in
-    #: manifests written before fsdpcheck recorded them: those cannot be told stale).
-    files: dict[str, FileIdentity] = field(default_factory=dict)
+    #: The DCP save(s) it was written for, by directory relative to the manifest's folder
+    #: ("." for the folder itself). Empty in manifests written before fsdpcheck recorded them
+    #: (or by torch without save ids): those cannot be told stale.
+    saves: dict[str, SaveIdentity] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The on-disk form."""
@@ -98,8 +98,9 @@ class Manifest:
             },
             "tied": dict(sorted(self.tied.items())),
             "findings_at_save": self.findings_at_save,
-            "files": {
-                k: {"size": f.size, "sha256": f.sha256} for k, f in sorted(self.files.items())
+            "dcp_saves": {
+                k: {"save_id": v.save_id, "metadata_sha256": v.metadata_sha256}
+                for k, v in sorted(self.saves.items())
             },
         }
 
@@ -133,10 +134,9 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
         raise ManifestError(f"{f} is not valid JSON: {exc}") from None
 
 
-def _read_regular(f: Path, limit: int, *, ends: int | None = None) -> bytes:
+def _read_regular(f: Path, limit: int) -> bytes:
     """A regular file's bytes (at most `limit`), checked on the descriptor that reads them.
 
-    With `ends`, only the first and last `ends` bytes (all of a file up to twice that).
     O_NONBLOCK: opening a FIFO put in the file's place does not wait for a writer; fstat on
     the open descriptor then refuses it (and devices, sockets), whatever the path held before.
 
@@ -149,63 +149,31 @@ def _read_regular(f: Path, limit: int, *, ends: int | None = None) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
-        if ends is not None and st.st_size > 2 * ends:
-            head = os.pread(fd, ends, 0)
-            return head + os.pread(fd, ends, st.st_size - ends)
         if st.st_size > limit:
             raise ValueError(f"{st.st_size} bytes, more than a manifest can be")
         chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(limit + 1 - size, 1 << 24))
-            if not chunk:
-                break
+        while size <= limit and (chunk := os.read(fd, min(limit + 1 - size, 1 << 24))):
             chunks.append(chunk)
             size += len(chunk)
-        if size > limit:
+        if size > limit:  # it grew while read
             raise ValueError(f"more than {limit} bytes, more than a manifest can be")
         return b"".join(chunks)
     finally:
         os.close(fd)
 
 
-def identify(path: str | os.PathLike[str]) -> FileIdentity:
-    """The identity of a file as a manifest records it (size, SHA-256 of its ends)."""
-    p = Path(path)
-    size = p.stat().st_size
-    data = _read_regular(p, 2 * _IDENTITY_END_BYTES, ends=_IDENTITY_END_BYTES)
-    return FileIdentity(size, hashlib.sha256(size.to_bytes(8, "little") + data).hexdigest())
-
-
-def stale_reason(folder: str | os.PathLike[str], manifest: Manifest) -> str | None:
-    """Why the manifest belongs to an earlier save than the files beside it, or None.
-
-    A file the manifest identifies that is gone, has another size or other bytes at its ends
-    was written after the manifest (typically a plain ``dcp.save`` into a folder that
-    ``fsdpcheck.save`` wrote before): the manifest's shapes and fingerprints then describe the
-    earlier save, and mismatches against it say nothing about this checkpoint.
-    """
-    root = Path(folder)
-    for rel, want in sorted(manifest.files.items()):
-        try:
-            have = identify(root / rel)
-        except FileNotFoundError:
-            change = f"{rel} is gone"
-        except (OSError, ValueError) as exc:
-            change = f"{rel} is unreadable ({exc})"
-        else:
-            if have == want:
-                continue
-            change = (
-                f"{rel} is {have.size} bytes, {want.size} when the manifest was written"
-                if have.size != want.size
-                else f"{rel} was rewritten after the manifest"
-            )
-        return (
-            f"the manifest is stale: it belongs to an earlier save ({change}; another save "
-            "wrote into this folder after it); its shapes and fingerprints describe that save, "
-            "not these files"
-        )
-    return None
+def sha256_of(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a regular file, read on one descriptor checked with fstat."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def parse_manifest(raw: Any, where: str = "manifest") -> Manifest:
@@ -267,17 +235,15 @@ def parse_manifest(raw: Any, where: str = "manifest") -> Manifest:
     findings = raw.get("findings_at_save", [])
     if not isinstance(findings, list) or not all(isinstance(x, str) for x in findings):
         raise ManifestError(f"{where}: field 'findings_at_save' must be a list of strings")
-    files = {}
-    for rel, ident in need(raw, "files", dict).items() if "files" in raw else ():
-        ctx = f"files[{rel!r}]."
-        parts = Path(rel).parts
-        if not parts or Path(rel).is_absolute() or ".." in parts:
-            raise ManifestError(f"{where}: field 'files' names {rel!r}, outside the checkpoint")
-        size = need(ident, "size", int, ctx)
-        digest = need(ident, "sha256", str, ctx)
-        if size < 0 or len(digest) != 64 or digest.strip("0123456789abcdef"):
-            raise ManifestError(f"{where}: field {ctx} must hold a size >= 0 and a SHA-256")
-        files[rel] = FileIdentity(size, digest)
+    saves = {}
+    for rel, ident in need(raw, "dcp_saves", dict).items() if "dcp_saves" in raw else ():
+        ctx = f"dcp_saves[{rel!r}]."
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise ManifestError(f"{where}: field 'dcp_saves' names {rel!r}, outside the folder")
+        digest = need(ident, "metadata_sha256", str, ctx)
+        if len(digest) != 64 or digest.strip("0123456789abcdef"):
+            raise ManifestError(f"{where}: field {ctx}'metadata_sha256' must be a SHA-256")
+        saves[rel] = SaveIdentity(need(ident, "save_id", str, ctx), digest)
     return Manifest(
         kind=kind,
         storage=str(raw.get("storage", "dcp")),
@@ -290,7 +256,7 @@ def parse_manifest(raw: Any, where: str = "manifest") -> Manifest:
         format_version=version,
         tied=dict(tied),
         findings_at_save=list(findings),
-        files=files,
+        saves=saves,
     )
 
 

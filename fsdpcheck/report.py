@@ -60,27 +60,32 @@ def render(lines: Iterable[object]) -> str:
 def describe_error(exc: BaseException) -> str:
     """An exception in one line, in words: the root cause named, no repr, no traceback.
 
-    A DCP ``CheckpointException`` is unwrapped to the first failing rank's own exception
-    (`root_cause` gives that rank); an
-    OSError becomes its file and its system message ("No space left on device"); fsdpcheck's
-    own errors and the usual unreadable-input types are their message alone; anything else (a
-    bug) keeps its type and where it was raised.
+    A DCP ``CheckpointException`` is unwrapped to the first failing rank's own exception, and a
+    library error to the system error it swallowed (`root_cause`); an OSError becomes its file
+    and its system message ("No space left on device"); fsdpcheck's own errors and the usual
+    unreadable-input types are their message alone, escaped (`shown`); anything else (a bug)
+    keeps its type, its first line and where it was raised.
     """
     _, exc = root_cause(exc)
     if isinstance(exc, OSError) and exc.strerror:
         where = f"{exc.filename}: " if exc.filename is not None else ""
         return shown(f"{where}{exc.strerror}")
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    first = lines[0].strip() if lines else ""
-    if len(first) > 400:
-        first = first[:400] + " ..."
-    elif len(lines) > 1:
-        first += " ..."
-    if isinstance(exc, _WORDS_SUFFICE) and not isinstance(exc, KeyError) and first:
-        return shown(first)
+    text = str(exc).strip()
+    if isinstance(exc, _WORDS_SUFFICE) and not isinstance(exc, KeyError) and text:
+        # Written for people, often with a path in it: whole (a line break in a file name is
+        # data, shown escaped), up to a length.
+        return _capped(shown(text))
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    first = _capped(lines[0].strip()) if lines else ""
+    if len(lines) > 1 and not first.endswith(" ..."):
+        first += " ..."  # other libraries' messages can span a page: their first line
     tb = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     loc = f" (at {tb[0].filename.rsplit('/', 1)[-1]}:{tb[0].lineno})" if tb else ""
     return shown(f"{type(exc).__name__}{': ' if first else ''}{first}{loc}")
+
+
+def _capped(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 # Exceptions whose message says what happened without their type's name.

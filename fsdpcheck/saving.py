@@ -26,19 +26,19 @@ from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.live import inner_optimizers
 from fsdpcheck.manifest import (
-    MANIFEST_NAME,
-    FileIdentity,
     Manifest,
     ManifestEntry,
+    SaveIdentity,
     fsync_dir,
-    identify,
+    sha256_of,
     write_manifest,
 )
 from fsdpcheck.report import describe_error, root_cause
 from fsdpcheck.sources import Source, open_source
 from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.sources.dcp_metadata import METADATA_FILE, read_dcp_metadata
 
-__all__ = ["build_manifest", "save", "write_checkpoint_manifest"]
+__all__ = ["build_manifest", "dcp_saves", "save", "stale_reason", "write_checkpoint_manifest"]
 
 
 def save(
@@ -166,7 +166,7 @@ def build_manifest(
     source: Source,
     fps: FingerprintResult,
     world_size: int,
-    files: dict[str, FileIdentity] | None = None,
+    saves: dict[str, SaveIdentity] | None = None,
 ) -> Manifest:
     """The manifest of a checkpoint from the fingerprint pass over the live state it holds.
 
@@ -174,8 +174,8 @@ def build_manifest(
         source: The checkpoint as written (its keys name each entry's ``checkpoint_key``).
         fps: ``fingerprint_report`` of the live model (and optimizer) that was saved.
         world_size: Ranks that saved it.
-        files: The identities of the files that name this save (``save_identities``), by
-            path relative to the manifest's folder.
+        saves: The DCP save(s) it describes (``dcp_saves``), by directory relative to the
+            manifest's folder.
     """
     keys = matching.checkpoint_keys(source.entries(), flat=source.kind == "safetensors")
     by_name = {name: r.key for name, r in keys.by_name().items()}
@@ -203,7 +203,7 @@ def build_manifest(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tied=dict(fps.tied),
         findings_at_save=[f.describe() for f in fps.findings],
-        files=dict(files or {}),
+        saves=dict(saves or {}),
     )
 
 
@@ -240,7 +240,7 @@ def write_checkpoint_manifest(
         parts = files() if files is not None else [root]
         source = open_source(parts if files is not None else root)
         try:
-            manifest = build_manifest(source, fps, comm.world, save_identities(root, parts))
+            manifest = build_manifest(source, fps, comm.world, dcp_saves(root, parts))
         finally:
             source.close()
         write_manifest(root, manifest)
@@ -254,27 +254,62 @@ def write_checkpoint_manifest(
 def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Comm) -> Manifest:
     source = DCPSource(tmp)
     try:
-        return build_manifest(source, fps, comm.world, save_identities(tmp, [tmp]))
+        return build_manifest(source, fps, comm.world, dcp_saves(tmp, [tmp]))
     finally:
         source.close()
 
 
-def save_identities(root: Path, parts: list[Path]) -> dict[str, FileIdentity]:
-    """The files that tell this save from a later one, by path relative to `root`.
+def dcp_saves(root: Path, parts: list[Path]) -> dict[str, SaveIdentity]:
+    """Which DCP save each DCP directory among `parts` holds, by path relative to `root`.
 
-    A DCP directory is named by its ``.metadata`` (DCP writes a fresh save id into it at every
-    save); a single file by itself. Parts outside `root` are left out.
+    Parts that are not DCP directories, lie outside `root`, or whose metadata carries no save
+    id (torch before 2.4) are left out.
     """
     out = {}
     for part in parts:
-        f = part / ".metadata" if is_dcp_dir(part) else part
+        if not is_dcp_dir(part):
+            continue
         try:
-            rel = f.absolute().relative_to(root.absolute())
+            rel = part.absolute().relative_to(root.absolute()).as_posix()
         except ValueError:
             continue
-        if f.is_file() and rel.name != MANIFEST_NAME:
-            out[rel.as_posix()] = identify(f)
+        save_id = _save_id(part)
+        if save_id is not None:
+            out[rel] = SaveIdentity(save_id, sha256_of(part / METADATA_FILE))
     return out
+
+
+def stale_reason(folder: str | os.PathLike[str], manifest: Manifest) -> str | None:
+    """Why the manifest belongs to an earlier save than the checkpoint beside it, or None.
+
+    A DCP save writes a new save id into ``.metadata``; a manifest that names another one was
+    left behind by an earlier save (typically a plain ``dcp.save`` into a folder that
+    ``fsdpcheck.save`` wrote before): its shapes and fingerprints describe that save, and
+    mismatches against it say nothing about this one. A ``.metadata`` changed some other way
+    (damaged, edited) keeps its save id: that is for the structure checks to report.
+    """
+    for rel, want in sorted(manifest.saves.items()):
+        d = Path(folder) / rel
+        try:
+            if sha256_of(d / METADATA_FILE) == want.metadata_sha256:
+                continue
+            have = _save_id(d)
+        except (OSError, ValueError):  # unreadable or gone: the structure checks say so
+            continue
+        if have is not None and have != want.save_id:
+            where = "" if rel == "." else f" in {rel}"
+            return (
+                f"the manifest is stale: it was written for an earlier save (DCP save id "
+                f"{want.save_id}; the checkpoint{where} is save {have}: another save wrote "
+                "into this folder after it), so its shapes and fingerprints describe that save"
+            )
+    return None
+
+
+def _save_id(d: Path) -> str | None:
+    meta = getattr(read_dcp_metadata(d), "storage_meta", None)
+    save_id = getattr(meta, "save_id", None)
+    return save_id if isinstance(save_id, str) else None
 
 
 # -------------------------------------------------------------------------------------------
