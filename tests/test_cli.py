@@ -249,7 +249,7 @@ def test_keys_cannot_forge_a_line_a_verdict_or_a_colour(forged, capsys):
 
 
 def test_an_error_line_shows_the_path_escaped(capsys, tmp_path):
-    code, out, err = run(capsys, "inspect", str(tmp_path / "x\nfsdpcheck: OK\x1b[32m"))
+    code, _, err = run(capsys, "inspect", str(tmp_path / "x\nfsdpcheck: OK\x1b[32m"))
     assert code == 2 and err.count("\n") == 1
     assert_shown(err)
     assert "x\\nfsdpcheck: OK\\x1b[32m" in err
