@@ -175,7 +175,7 @@ def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> N
     mine = (
         plan.info.kind,
         plan.info.layout,
-        [p.name for p, _ in plan.parts],
+        [os.path.relpath(p, plan.info.path) for p, _ in plan.parts],
         # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
         None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
     )
