@@ -202,7 +202,7 @@ class Comm:
 
     # -- who stopped ------------------------------------------------------------------------
     def _store(self) -> Any:
-        pg = self.group if self.group is not None else dist.group.WORLD
+        pg: Any = self.group if self.group is not None else dist.group.WORLD
         return pg.get_group_store()
 
     def _key(self) -> str:
