@@ -233,20 +233,24 @@ class Comm:
                 bytes(store.get(f"{key}/{r}")).decode(errors="replace").partition("\0")
                 for r in answered
             ]
-            # Nobody leaves before every answering rank has read the answers: the store may
-            # live in one of them (rank 0 under a plain init_process_group).
-            store.add(f"{key}/read", 1)
-            deadline = time.time() + _ANSWER_S
-            while int(store.add(f"{key}/read", 0)) < len(answered) and time.time() < deadline:
-                time.sleep(0.05)
-            # Worded from the lowest rank whose own collective failed (others only heard).
-            what, _, cause = min(reports, key=lambda w: w[2] == _HEARD)
         except Exception:  # the store went with the rank that hosts it
             return RankStoppedError(
                 f"a rank stopped answering during {what} ({cause}), and the rendezvous store "
                 "with it: the rank that hosts the store (rank 0 under a plain "
                 "init_process_group) is gone"
             )
+        try:
+            # Nobody leaves before every answering rank has read the answers: the store may
+            # live in one of them (rank 0 under a plain init_process_group). Once read, a
+            # store that goes away no longer matters.
+            store.add(f"{key}/read", 1)
+            deadline = time.time() + _ANSWER_S
+            while int(store.add(f"{key}/read", 0)) < len(answered) and time.time() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            pass
+        # Worded from the lowest rank whose own collective failed (others only heard).
+        what, _, cause = min(reports, key=lambda w: w[2] == _HEARD)
         silent = [r for r in range(self.world) if r not in answered]
         if not silent:  # every rank answered: a failure, but not a rank that went away
             return RuntimeError(f"a collective failed during {what}: {cause}")
