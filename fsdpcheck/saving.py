@@ -53,11 +53,12 @@ def save(
 
     Collective. The ranks first agree on the path. The state dict comes from torch's
     ``get_state_dict`` (FQN keys, saved as ``model.<fqn>`` and ``optim.state.<fqn>.<name>``)
-    and is written into a temporary sibling directory together with the manifest (per key its
-    Fingerprint v1, global shape, dtype and checkpoint key; for the checkpoint its kind, world
-    size, meshes, versions). Only when every rank has finished is it renamed into place, so a
-    save killed half-way leaves the old checkpoint as it was and nothing ``load`` or ``audit``
-    would accept, and stale files of an earlier, larger save never mix into a new one.
+    and is written into a hidden scratch sibling directory together with the manifest (per key
+    its Fingerprint v1, global shape, dtype and checkpoint key; for the checkpoint its kind,
+    world size, meshes, versions, DCP save id). Only when every rank has finished does it take
+    the target's place, in one atomic step (NOTE: [atomic publication]): killed at any instant,
+    the target holds the old checkpoint or the new one, whole, and stale files of an earlier,
+    larger save never mix into a new one. A symlinked target is written through.
 
     Args:
         model: The (sharded) model.
@@ -71,7 +72,10 @@ def save(
         The manifest (identical on every rank).
 
     Raises:
-        RuntimeError: On every rank, when any rank failed (the message names the rank).
+        RuntimeError: On every rank, when any rank failed (the message names the rank and the
+            root cause; ``RankStoppedError`` when a rank died).
+        OSError: DCP's writing failed with a system error (a full disk: "No space left on
+            device"), on every rank; the target is as it was.
         FileExistsError: `path` holds something and `overwrite` is False (on every rank).
     """
     comm = Comm(group)
@@ -377,7 +381,11 @@ def publish_dir(tmp: Path, target: Path) -> None:
         old = target.parent / f".{target.name}{_LEFTOVER_TAGS[1]}{tmp.name.rsplit('-', 1)[-1]}"
         os.rename(target, old)
         _step("old moved aside")
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # the old one back in its place
+            raise
         _step("published")
         _remove(old)
     fsync_dir(target.parent)

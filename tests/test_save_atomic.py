@@ -264,3 +264,22 @@ def test_a_full_disk_is_one_line_naming_the_cause_and_the_path(small_disk, state
     assert e.value.errno == 28 and text.startswith(f"fsdpcheck.save to {target} failed: ")
     assert whole_checkpoint(target, states) == "old"
     assert leftovers(small_disk) == []  # the scratch directory went with the failure
+
+
+def test_a_failed_second_rename_puts_the_old_checkpoint_back(tmp_path, states, monkeypatch):
+    target = tmp_path / "ck"
+    m0, o0 = _model(0)
+    fsdpcheck.save(m0, target, optimizer=o0)
+    monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def fails_into_place(src, dst):
+        if Path(dst) == target and ".fsdpcheck-tmp-" in str(src):
+            raise OSError(5, "Input/output error", str(dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", fails_into_place)
+    m1, o1 = _model(1)
+    with pytest.raises(OSError, match="Input/output error"):
+        fsdpcheck.save(m1, target, optimizer=o1, overwrite=True)
+    assert whole_checkpoint(target, states) == "old" and leftovers(tmp_path) == []
