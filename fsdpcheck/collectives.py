@@ -317,7 +317,7 @@ def agree(comm: Comm, fn: Callable[[], Any], what: str) -> Any:
     For local steps between collectives: an exception on one rank alone would leave the others
     waiting in the next collective forever. Costs one small all-gather. The error raised
     everywhere has the failing rank's exception type where that type is one of a known set
-    (OSError and its kinds, ValueError, fsdpcheck's own errors, ...), else RuntimeError, and a
+    (FileNotFoundError, ValueError, fsdpcheck's own errors, ...), else RuntimeError, and a
     message naming `what`, the rank and the failure.
     """
     result, error = None, None
@@ -347,7 +347,6 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
         PermissionError,
         IsADirectoryError,
         NotADirectoryError,
-        OSError,
         ValueError,
         TypeError,
         CheckpointError,
