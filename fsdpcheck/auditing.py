@@ -10,9 +10,10 @@ from typing import Any
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, KeyGrammar, describe_path, grammar_of, is_dcp_dir
 from fsdpcheck.keys import CheckpointKeys, checkpoint_keys, keys_from_entries, merge_into
-from fsdpcheck.manifest import read_manifest
+from fsdpcheck.manifest import MANIFEST_NAME, read_manifest
 from fsdpcheck.names import optim_key
 from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.saving import stale_reason
 from fsdpcheck.sources import open_part
 from fsdpcheck.sources.base import Entry
 from fsdpcheck.sources.tiling import Box, tiling_problems
@@ -178,7 +179,14 @@ def _audit_manifest(
 
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
-        notes.append(f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save)")
+        unchecked = " (--deep: no fingerprint to check the data against)" if deep else ""
+        notes.append(
+            f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save){unchecked}"
+        )
+        return
+    stale = stale_reason(p, manifest)
+    if stale is not None:  # its entries describe another save: comparing them only misleads
+        findings.append(Finding(prefix + MANIFEST_NAME, "error", stale))
         return
     meta = md.state_dict_metadata
     listed = set()
@@ -208,8 +216,23 @@ def _audit_manifest(
         if is_tensor_meta(m) and ck not in listed:
             findings.append(Finding(prefix + ck, "unexpected", "saved but not in the manifest"))
     if deep:
-        actual = fingerprint_checkpoint(p)
         expected = manifest.fingerprints()
+        if not expected:  # nothing to recompute against: say so, never a silent "OK"
+            findings.append(
+                Finding(
+                    prefix + MANIFEST_NAME,
+                    "skipped",
+                    "the manifest holds no fingerprints: --deep checked no value (only the "
+                    "structure was checked)",
+                )
+            )
+            return
+        if len(expected) < len(manifest.entries):
+            notes.append(
+                f"{prefix or p.name}: {len(manifest.entries) - len(expected)} manifest "
+                "entries have no fingerprint: --deep did not check their values"
+            )
+        actual = fingerprint_checkpoint(p)
         findings.extend(
             fingerprints_differ(expected, {k: actual[k] for k in actual if k in expected})
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,10 +75,21 @@ def unravel(linear_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _int_tuple(values: Sequence[int], name: str) -> tuple[int, ...]:
+    """`values` as ints, refusing anything that is not an integer (1.5, 2.0, True, "3")."""
     try:
-        out = tuple(int(v) for v in values)
-    except TypeError as exc:
-        raise TypeError(f"Box: {name} must be a sequence of ints, got {values!r}") from exc
-    if any(isinstance(v, bool) for v in values):
-        raise TypeError(f"Box: {name} must be a sequence of ints, got {values!r}")
-    return out
+        items = tuple(values)
+    except TypeError:
+        raise TypeError(f"Box: {name} must be a sequence of ints, got {values!r}") from None
+    out = []
+    for v in items:
+        # operator.index accepts ints and integer scalars (numpy, 0-d integer tensors) and
+        # refuses floats, which int() would truncate; bools are ints to Python but never sizes.
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(
+                f"Box: {name} must be a sequence of ints, got {type(v).__name__} {v!r} in {items}"
+            ) from None
+    return tuple(out)

@@ -20,11 +20,12 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from fsdpcheck.report import render, shown
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -32,7 +33,7 @@ EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # bad usage: one line, exit 2
         self.print_usage(sys.stderr)
-        print(f"fsdpcheck: error: {message}", file=sys.stderr)
+        print(f"fsdpcheck: error: {shown(message)}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
 
@@ -106,17 +107,13 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The error in fsdpcheck's words: its message's first line, without colour codes."""
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    text = "".join(ch for ch in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text) if ch.isprintable())
-    if len(text) > 400:
-        text = text[:400] + " ..."
-    known = (OSError, ValueError, TypeError, LookupError)
-    prefix = "" if isinstance(exc, known) else f"{type(exc).__name__}: "
+    """The error in fsdpcheck's words: one line, its root cause named, nothing raw from a file."""
+    from fsdpcheck.report import describe_error
+
+    text = describe_error(exc)
     if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:
         text = f"{exc.filename}: {text}"
-    return prefix + (text or type(exc).__name__) + (" ..." if len(lines) > 1 else "")
+    return shown(text)
 
 
 def _quiet_stdout() -> None:
@@ -181,7 +178,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a dtype difference is a note, not a finding (a conversion: give --rtol/--atol)",
     )
     p.add_argument("--show-mapping", action="store_true", help="print how tensors were paired")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument(
+        "--device", type=_device, default=None, help="cpu or cuda (default: cuda when present)"
+    )
     p.add_argument("--memory-budget", type=_size, default=1 << 30, help="bytes, e.g. 2G, 512M")
     p.set_defaults(run=_compare)
 
@@ -213,6 +212,16 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _device(text: str) -> str:
+    # A meta tensor has a shape and a dtype but no values: comparing on it would report
+    # whatever the empty reads give, not what the files hold.
+    if text.strip().lower().split(":")[0] == "meta":
+        raise argparse.ArgumentTypeError(
+            "meta tensors hold no values, so nothing can be compared on them; use cpu or cuda"
+        )
+    return text
+
+
 def _tolerance(text: str) -> float:
     try:
         value = float(text)
@@ -227,11 +236,17 @@ def _emit_report(args: argparse.Namespace, report: Any) -> int:
     if args.json:
         print(report.to_json(indent=1))
     else:
-        print(str(report))
+        lines = report.lines()
         if getattr(args, "show_mapping", False) and report.mapping:
-            print("mapping:")
-            print(report.mapping_table())
+            lines += ["mapping:", *report.mapping_lines()]
+        _say(lines)
     return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+def _say(lines: list[str], file: Any = None) -> None:
+    """Prints human output: every line through `render` (keys and paths from files escaped)."""
+    if lines:
+        print(render(lines), file=file if file is not None else sys.stdout)
 
 
 # -------------------------------------------------------------------------------------------
@@ -263,11 +278,10 @@ def _fingerprint(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: f"{v:#018x}" for k, v in fps.items()}, indent=1))
     else:
-        width = max((len(k) for k in fps), default=0)
-        for k, v in fps.items():
-            print(f"{k:{width}s}  {v:#018x}")
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+        names = [shown(k) for k in fps]
+        width = max((len(n) for n in names), default=0)
+        _say([f"{n:{width}s}  {v:#018x}" for n, v in zip(names, fps.values())])
+    _say([f"note: {n}" for n in notes], file=sys.stderr)
     return EXIT_OK
 
 
@@ -312,48 +326,47 @@ def _inspect(args: argparse.Namespace) -> int:
     from fsdpcheck.inspection import inspect_checkpoint
 
     info = inspect_checkpoint(args.path)
+    # Problems (a file missing, a tensor past its file's end) are findings: exit 1, as audit.
+    code = EXIT_FINDINGS if info["problems"] else EXIT_OK
     if args.json:
         print(json.dumps(info, indent=1))
-        return EXIT_OK
-    print(f"{args.path}: {info['format']}")
-    print(f"layout: {info['layout']} ({info['kind']})")
+        return code
+    out = [f"{args.path}: {info['format']}", f"layout: {info['layout']} ({info['kind']})"]
     m = info["manifest"]
     if m:
-        print(
+        out.append(
             f"  manifest: format v{m['format_version']}, saved on {m['world_size']} rank(s), "
             f"torch {m['torch']}, fsdpcheck {m['fsdpcheck']}"
         )
     else:
-        print("  manifest: none (not saved with fsdpcheck.save)")
+        out.append("  manifest: none (not saved with fsdpcheck.save)")
     ids = " (keyed by integer ids)" if info["optimizer_ids"] else ""
-    print(
+    out.append(
         f"  {len(info['tensors'])} tensors, {info['elements']:,} elements, "
         f"{info['bytes'] / 1e6:,.1f} MB: {info['model_tensors']} model tensor(s), optimizer "
         f"state for {info['optimizer_params']} parameter(s){ids} "
         f"({info['optimizer_tensors']} tensors), {info['param_groups']} param group(s)"
     )
     if info["other"]:
-        shown = ", ".join(info["other"][:8]) + (", ..." if len(info["other"]) > 8 else "")
-        print(f"  {len(info['other'])} training-state entries (not model/optimizer): {shown}")
-    for n in info["notes"]:
-        print(f"  note: {n}")
-    for p in info["problems"]:
-        print(f"  [{p['kind']}] {p['key']}: {p['message']}")
+        other = ", ".join(info["other"][:8]) + (", ..." if len(info["other"]) > 8 else "")
+        out.append(f"  {len(info['other'])} training-state entries (not model/optimizer): {other}")
+    out += [f"  note: {n}" for n in info["notes"]]
+    out += [f"  [{p['kind']}] {p['key']}: {p['message']}" for p in info["problems"]]
     tensors = info["tensors"]
+    keys = [shown(t["key"]) for t in tensors]
+    width = max((len(k) for k in keys), default=3)
     if args.show_mapping:
-        width = max((len(t["key"]) for t in tensors), default=3)
-        print(f"  {'checkpoint key':{width}s}  {'role':6s}  name")
-        for t in tensors:
-            print(f"  {t['key']:{width}s}  {t['role']:6s}  {t['name']}")
-        return EXIT_OK
-    width = max((len(t["key"]) for t in tensors), default=3)
-    print(f"  {'key':{width}s}  {'shape':>18s}  {'dtype':9s}  {'chunks':>6s}  coverage")
-    for t in tensors:
-        print(
-            f"  {t['key']:{width}s}  {tuple(t['shape'])!s:>18s}  {t['dtype']:9s}  "
+        out.append(f"  {'checkpoint key':{width}s}  {'role':6s}  name")
+        out += [f"  {k:{width}s}  {t['role']:6s}  {t['name']}" for k, t in zip(keys, tensors)]
+    else:
+        out.append(f"  {'key':{width}s}  {'shape':>18s}  {'dtype':9s}  {'chunks':>6s}  coverage")
+        out += [
+            f"  {k:{width}s}  {tuple(t['shape'])!s:>18s}  {t['dtype']:9s}  "
             f"{t['chunks']:6d}  {t['coverage']}"
-        )
-    return EXIT_OK
+            for k, t in zip(keys, tensors)
+        ]
+    _say(out)
+    return code
 
 
 if __name__ == "__main__":

@@ -27,8 +27,14 @@ data on every rank.
 
 from __future__ import annotations
 
+import ctypes
+import datetime
 import hashlib
+import os
 import pickle
+import re
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -38,7 +44,7 @@ import torch.distributed as dist
 
 from fsdpcheck.kernels import MASK64
 from fsdpcheck.manifest import ManifestError
-from fsdpcheck.report import Finding, describe_error
+from fsdpcheck.report import Finding, describe_error, shown
 from fsdpcheck.sources.base import CheckpointError, CoverageError
 from fsdpcheck.stats import COUNTS, Combined, KeyStats
 
@@ -47,6 +53,7 @@ __all__ = [
     "REPLICA_DETAIL",
     "Comm",
     "Group",
+    "RankStoppedError",
     "agree",
     "combine",
     "digest",
@@ -64,8 +71,27 @@ MAX_DISTINCT = 64
 REPLICA_DETAIL = 8
 
 
+class RankStoppedError(RuntimeError):
+    """A rank stopped answering in the middle of a collective (it died, or hangs elsewhere).
+
+    Raised on every rank that still answers, with the same message: the rank(s) that did not,
+    the step, and the transport's reason ("connection reset by peer", ...).
+    """
+
+
 class Comm:
-    """The process group fsdpcheck talks over (or a single process without one)."""
+    """The process group fsdpcheck talks over (or a single process without one).
+
+    NOTE: [a rank that stops answering] When a rank dies in the middle of a collective, gloo
+    fails the ranks wired to it ("Connection reset by peer") and leaves the others waiting for
+    data that never comes, until its timeout (30 minutes by default). So on gloo every
+    collective here waits in slices of `_POLL`; between slices it asks the group's store
+    whether a rank has reported a failure. A rank whose collective fails reports it in the
+    store, and every rank that learns of it (from its own failure or from the store) writes
+    its answer there and waits up to `_ANSWER_S` for the others: ranks that never answer are
+    the ones named. Everyone raises the same RankStoppedError, worded from the lowest answering
+    rank's report. A dead rank thus costs the others about `_ANSWER_S` s, not the timeout.
+    """
 
     def __init__(self, group: Any = None) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
@@ -73,42 +99,219 @@ class Comm:
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world = dist.get_world_size(group) if self.enabled else 1
         self.device = torch.device("cpu")
-        if self.enabled and dist.get_backend(group) == "nccl":
+        backend = dist.get_backend(group) if self.enabled else ""
+        self._polled = backend == "gloo"
+        if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's obj, in rank order (O(W) per rank: small objects only)."""
+    def all_gather_object(self, obj: Any, step: str = "") -> list[Any]:
+        """Every rank's obj, in rank order (`step` names what it is for, in errors)."""
         if not self.enabled:
             return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        try:
+            if self._polled:
+                return self._gather_objects(obj, step)
+            out: list[Any] = [None] * self.world
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        except RuntimeError as exc:
+            raise self._stopped(exc, "all_gather_object", step) from None
 
-    def all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: Any, step: str = "") -> torch.Tensor:
         """All-reduce of a CPU tensor (moved to the backend's device and back)."""
         if not self.enabled:
             return t
         x = t.to(self.device, copy=True)  # never reduce the caller's tensor in place
-        dist.all_reduce(x, op=op, group=self.group)
-        return x.cpu()
+        try:
+            self._wait(dist.all_reduce(x, op=op, group=self.group, async_op=True))
+            return x.cpu()
+        except RuntimeError as exc:
+            raise self._stopped(exc, "all_reduce", step) from None
 
-    def all_gather_words(self, words: Sequence[int]) -> list[list[int]]:
+    def lost_rank(self, exc: BaseException, step: str) -> RankStoppedError | None:
+        """The error naming the rank that stopped, when `exc` is a transport failure.
+
+        For collectives made by other libraries on this group (DCP's): call it on every rank
+        that caught their failure. None when `exc` is not about the connection.
+        """
+        if not self.enabled or not isinstance(exc, RuntimeError) or not _transport(exc):
+            return None
+        err = self._stopped(exc, "collective", step)
+        return err if isinstance(err, RankStoppedError) else None
+
+    def all_gather_words(self, words: Sequence[int], step: str = "") -> list[list[int]]:
         """Every rank's few int64 words, in rank order: the one thing that grows with W."""
         if not self.enabled:
             return [list(words)]
         mine = torch.tensor(list(words), dtype=torch.int64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=self.group)
+        try:
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+        except RuntimeError as exc:
+            raise self._stopped(exc, "all_gather", step) from None
         return [t.cpu().tolist() for t in out]
 
-    def broadcast_object(self, obj: Any, src: int) -> Any:
-        """`obj` of rank `src` (a rank of this group) on every rank."""
+    def broadcast_object(self, obj: Any, src: int, step: str = "") -> Any:
+        """`obj` of rank `src` (a rank of this group) on every rank: its pickle, once.
+
+        The ranks are one job running one program: what one rank pickles, the others load.
+        """
         if not self.enabled:
             return obj
-        box = [obj if self.rank == src else None]
         root = src if self.group is None else dist.get_global_rank(self.group, src)
-        dist.broadcast_object_list(box, src=root, group=self.group, device=self.device)
-        return box[0]
+        data = pickle.dumps(obj, protocol=4) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        try:
+            self._wait(dist.broadcast(size, src=root, group=self.group, async_op=True))
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            if self.rank == src and data:
+                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            self._wait(dist.broadcast(buf, src=root, group=self.group, async_op=True))
+        except RuntimeError as exc:
+            raise self._stopped(exc, "broadcast", step) from None
+        if self.rank == src:
+            return obj
+        host = buf.cpu()
+        return pickle.loads(ctypes.string_at(host.data_ptr(), host.numel()))
+
+    # -- gloo, polled -----------------------------------------------------------------------
+    def _gather_objects(self, obj: Any, step: str) -> list[Any]:
+        # dist.all_gather_object's two all-gathers (sizes, then padded pickles), made
+        # asynchronously so that `_wait` can poll; and without numpy.
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
+        lengths = [int(n) for n in sizes]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty_like(buf) for _ in range(self.world)]
+        self._wait(dist.all_gather(outs, buf, group=self.group, async_op=True))
+        return [pickle.loads(ctypes.string_at(o.data_ptr(), n)) for o, n in zip(outs, lengths)]
+
+    def _wait(self, work: Any) -> None:
+        if not self._polled:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(timeout=_POLL)
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+            if self._reports() > 0:
+                raise _PeerReported()
+
+    # -- who stopped ------------------------------------------------------------------------
+    def _store(self) -> Any:
+        pg: Any = self.group if self.group is not None else dist.group.WORLD
+        return pg.get_group_store()
+
+    def _key(self) -> str:
+        return f"fsdpcheck/stopped/{_EPOCH.get(id(self.group), 0)}"
+
+    def _reports(self) -> int:
+        try:
+            return int(self._store().add(self._key(), 0))
+        except Exception:  # the store is gone too: nothing to learn from it
+            return 0
+
+    def _stopped(self, exc: BaseException, op: str, step: str) -> RuntimeError:
+        """The error every answering rank raises after `exc` (NOTE: [a rank that stops ...])."""
+        what = _step_name(op, step)
+        cause = _HEARD if isinstance(exc, _PeerReported) else _cause(exc)
+        key = self._key()
+        _EPOCH[id(self.group)] = _EPOCH.get(id(self.group), 0) + 1
+        try:
+            store = self._store()
+            store.set(f"{key}/{self.rank}", f"{what}\0{cause}")
+            store.add(key, 1)
+            # One deadline for all, from the first answer (wall clock: ranks on other hosts).
+            first = float(bytes(store.compare_set(f"{key}/t", "", repr(time.time()))))
+            while int(store.add(key, 0)) < self.world and time.time() < first + _ANSWER_S:
+                time.sleep(0.05)
+            answered = [r for r in range(self.world) if store.check([f"{key}/{r}"])]
+            reports = [
+                bytes(store.get(f"{key}/{r}")).decode(errors="replace").partition("\0")
+                for r in answered
+            ]
+        except Exception:  # the store went with the rank that hosts it
+            return RankStoppedError(
+                f"a rank stopped answering during {what} ({cause}), and the rendezvous store "
+                "with it: the rank that hosts the store (rank 0 under a plain "
+                "init_process_group) is gone"
+            )
+        try:
+            # Nobody leaves before every answering rank has read the answers: the store may
+            # live in one of them (rank 0 under a plain init_process_group). Once read, a
+            # store that goes away no longer matters.
+            store.add(f"{key}/read", 1)
+            deadline = time.time() + _ANSWER_S
+            while int(store.add(f"{key}/read", 0)) < len(answered) and time.time() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            pass
+        # Worded from the lowest rank whose own collective failed (others only heard).
+        what, _, cause = min(reports, key=lambda w: w[2] == _HEARD)
+        silent = [r for r in range(self.world) if r not in answered]
+        if not silent:  # every rank answered: a failure, but not a rank that went away
+            return RuntimeError(f"a collective failed during {what}: {cause}")
+        who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+        return RankStoppedError(f"{who} stopped answering during {what} ({cause})")
+
+
+class _PeerReported(RuntimeError):
+    """Raised inside a polled wait when another rank reported a failure in the store."""
+
+
+# Seconds between looks at the store while a gloo collective waits, and how long the ranks
+# that still answer wait for each other's answers after a failure.
+_POLL = datetime.timedelta(seconds=1)
+_ANSWER_S = 5.0
+_HEARD = "another rank reported it"
+# Failures seen per group in this process (each failure's answers get fresh store keys).
+_EPOCH: dict[int, int] = {}
+_TRANSPORT_WORDS = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "no route to host",
+    "timed out",
+)
+
+
+def _transport(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, _PeerReported) or any(w in text for w in _TRANSPORT_WORDS)
+
+
+def _cause(exc: BaseException) -> str:
+    """The transport's reason in a few words (gloo's message carries a file:line and advice)."""
+    text = str(exc).lower()
+    for words in _TRANSPORT_WORDS:
+        if words in text:
+            return words
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
+    return shown(first[:200])
+
+
+def _step_name(op: str, step: str) -> str:
+    """What was going on: the fsdpcheck call the user made, and the step or the caller."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.abspath(__file__)
+    entry, caller = "", ""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if name.startswith(package + os.sep) and name != here:
+            entry = frame.f_code.co_name
+            caller = caller or entry
+        frame = frame.f_back  # type: ignore[assignment]
+    detail = step or (f"in {caller}'s {op}" if caller != entry else f"in {op}")
+    return f"{entry}, {detail}" if entry else detail
 
 
 # -------------------------------------------------------------------------------------------

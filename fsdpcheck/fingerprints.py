@@ -49,12 +49,15 @@ class FingerprintResult:
         layouts: This rank's Layout of every key (global shape, dtype, placements), as the
             pass computed them, for callers that describe the keys too (the save manifest).
         tied: Tied duplicate name -> the name it is listed under (tied parameters count once).
+        order: The optimizer's parameters in param_groups order (maps the integer ids of a raw
+            ``optimizer.state_dict()`` a checkpoint holds), empty without one.
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     layouts: dict[str, Layout] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
 
 
 def fingerprint(
@@ -148,6 +151,7 @@ def fingerprint_report(
         return result
     assert live is not None
     result.tied = dict(ks.live.tied)
+    result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
     keys = sorted(job)
     mine = live.tensors(dedupe_tied=True)

@@ -16,16 +16,17 @@ from typing import Any, cast
 import torch
 
 from fsdpcheck import matching
-from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.collectives import Comm, agree, digest, distinct
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer
 from fsdpcheck.manifest import Manifest, read_manifest
-from fsdpcheck.report import Report, normalized
+from fsdpcheck.report import Report, describe_error, normalized, root_cause
+from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, open_source, refuse_problems
-from fsdpcheck.sources.base import CheckpointError, one_line
+from fsdpcheck.sources.base import CheckpointError
 from fsdpcheck.verification import verify as verify_full
 
 __all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "check_against_manifest", "load"]
@@ -105,6 +106,7 @@ def load(
         raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
     comm = Comm(group)
     plan = agree(comm, lambda: _preflight(path), f"checking {path} before loading")
+    _same_checkpoint(comm, path, plan)
     info = plan.info
     if expect is not None and expect != info.kind:
         hint = (
@@ -138,7 +140,7 @@ def load(
     report: Report
     manifest = plan.manifest
     if verify == "fingerprint" and manifest is None:
-        notes.append("no fsdpcheck manifest: verify='fingerprint' fell back to verify='full'")
+        notes.append("no usable manifest: verify='fingerprint' fell back to verify='full'")
         verify = "full"
     if verify == "fingerprint":
         assert manifest is not None
@@ -159,6 +161,10 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
     """Recognises the checkpoint and checks its structure; raises on anything wrong."""
     info = describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
+    stale = stale_reason(info.path, manifest) if manifest is not None else None
+    if stale is not None:  # it describes an earlier save: checked against, it would only mislead
+        info.notes.append(f"{stale}; not used")
+        manifest = None
     if info.kind == "sharded" and not all(is_dcp_dir(p) for p in info.parts):
         raise CheckpointError(
             f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
@@ -172,6 +178,37 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
     finally:
         source.close()
     return _Plan(info, manifest)
+
+
+def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> None:
+    """Refuses, on every rank alike, ranks that were given different checkpoints.
+
+    Ranks may load copies of one checkpoint from different paths, but a full checkpoint on one
+    rank and a sharded one on another would take different collectives, and wait for each
+    other forever: every rank compares what it found before anything else happens (one
+    all-reduce when they agree; each different answer travels once when they do not).
+    """
+    m = plan.manifest
+    mine = (
+        plan.info.kind,
+        plan.info.layout,
+        [os.path.relpath(p, plan.info.path) for p in plan.info.parts],
+        # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
+        None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
+    )
+    groups, past = distinct(comm, (str(path), plan.info.description, mine), word=digest(mine))
+    if len(groups) > 1 or past:
+        found = "; ".join(f"{_few(g.ranks)}: {g.payload[0]} ({g.payload[1]})" for g in groups)
+        raise CheckpointError(
+            f"the ranks were given different checkpoints to load ({found}); every rank must "
+            "load the same checkpoint (nothing was loaded)"
+        )
+
+
+def _few(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {ranks}" if len(ranks) <= 8 else f"ranks {ranks[:8]} and {len(ranks) - 8} more"
 
 
 def _manifest_agrees(manifest: Manifest, source: Source, where: Path) -> None:
@@ -204,6 +241,7 @@ class _Work:
     osd: Any  # torch's optimizer state dict (FQN-keyed), or None
     raw: dict[str, str]  # canonical model name -> the model state dict's own key
     raw_param: dict[str, str]  # canonical parameter -> the optimizer state dict's own key
+    hparams: dict[str, Any]  # the paired param groups' saved hyperparameters, by key
 
 
 def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Work:
@@ -230,10 +268,13 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Wo
         canon = model_canonicalizer(model)
         raw = {canon(k): k for k in msd}
         raw_param = {canon(str(k)): str(k) for k in (osd or {}).get("state", {})}
+        # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
+        wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
+        hparams = source.read_objects(wanted) if wanted and osd is not None else {}
     except BaseException:
         source.close()
         raise
-    return _Work(info, model, opt, source, m, msd, osd, raw, raw_param)
+    return _Work(info, model, opt, source, m, msd, osd, raw, raw_param, hparams)
 
 
 def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
@@ -275,6 +316,9 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
         except BaseException as exc:  # torch's CheckpointException derives from BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            lost = comm.lost_rank(exc, f"load (DCP reading {where})")
+            if lost is not None:
+                raise lost from None
             raise CheckpointError(f"loading {where} failed: {_first_failure(exc)}") from None
     set_model_state_dict(w.model, w.msd)
     if w.osd is not None:
@@ -284,8 +328,7 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
 
 def _set_hparams(w: _Work) -> None:
     """Hyperparameters of each live param group from the checkpoint group paired with it."""
-    keys = [e.key for g in w.match.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
-    saved = w.source.read_objects(keys) if keys else {}
+    saved = w.hparams
     groups = w.osd["param_groups"]
     for g in w.match.groups:
         if g.ckpt is None or g.index >= len(groups):
@@ -297,13 +340,8 @@ def _set_hparams(w: _Work) -> None:
 
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner: BaseException = failures[rank]
-        inner = getattr(inner, "exc", None) or inner  # torch wraps some as _WrappedException
-        return f"on rank {rank}: {one_line(inner)}"
-    return one_line(exc)
+    rank, cause = root_cause(exc)
+    return (f"on rank {rank}: " if rank is not None else "") + describe_error(cause)
 
 
 def _put(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:

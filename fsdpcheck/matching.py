@@ -228,10 +228,23 @@ class Words:
     b: str  # "the checkpoint", "expected"
     a_only_kind: str  # kind of a finding for a name only side A has
     b_only_kind: str
+    hint: str  # what to do about a name only one side has
 
 
-_LIVE = Words("live", "the checkpoint", "missing", "unexpected")
-_FILES = Words("actual", "expected", "unexpected", "missing")
+_LIVE = Words(
+    "live",
+    "the checkpoint",
+    "missing",
+    "unexpected",
+    "pass key_map if the checkpoint names it differently, or ignore= to exclude it",
+)
+_FILES = Words(
+    "actual",
+    "expected",
+    "unexpected",
+    "missing",
+    "--key-map OLD=NEW (key_map=) if they name it differently, --ignore (ignore=) to leave it out",
+)
 
 
 @dataclass
@@ -411,9 +424,7 @@ def _add(
             Finding(
                 key,
                 w.a_only_kind,
-                missing_msg
-                or f"in {w.a} but not in {w.b}; pass key_map if {w.b} names it differently, "
-                "or ignore= to exclude it",
+                missing_msg or f"in {w.a} but not in {w.b}; {w.hint}",
             )
         )
         out.rows.append(MappingRow(key, None, w.a_only_kind, f"not in {w.b}"))
@@ -728,12 +739,19 @@ def match_live(
 
 
 def match_names(
-    names: Iterable[str], ckpt: CheckpointKeys, tied: Mapping[str, str] | None = None
+    names: Iterable[str],
+    ckpt: CheckpointKeys,
+    tied: Mapping[str, str] | None = None,
+    *,
+    order: Sequence[str] = (),
+    read_objects: ReadObjects | None = None,
 ) -> tuple[dict[str, str], list[Finding]]:
     """Live names (model FQNs and ``optim.state.<fqn>.<name>``) -> the checkpoint's own keys.
 
     The same pairing as ``match_live``, for callers that hold names rather than a live state
-    (the manifest of a checkpoint just written). Returns the pairs and what did not pair.
+    (the manifest of a checkpoint just written). `order` (the optimizer's parameters in
+    param_groups order) and `read_objects` map a raw ``optimizer.state_dict()``'s integer ids.
+    Returns the pairs and what did not pair.
     """
     a = Side(tied=dict(tied or {}))
     for n in names:
@@ -743,6 +761,9 @@ def match_names(
         else:
             a.model[n] = None
     b = _file_side(ckpt)
+    if ckpt.id_keyed and b.state and order and read_objects is not None:
+        idmap = resolve_ids(ckpt, read_objects, order)
+        b.state = {(idmap.ids.get(i, i), n): r for (i, n), r in b.state.items()}
     opt = _Options(None, None, _LIVE, ckpt, {r.key for r in ckpt.rows}, ckpt.by_name())
     res = _pair(a, b, opt)
     return {p.name: p.b.key for p in res.pairs}, [

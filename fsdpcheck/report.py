@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,13 +27,104 @@ _ORDER = {k: i for i, k in enumerate(KINDS)}
 STATUSES = ("compared", "tied", "missing", "unexpected", "skipped", "ignored")
 
 
+def shown(text: object) -> str:
+    r"""`text` as it may reach a terminal: every character that is not printable made visible.
+
+    Line breaks, carriage returns, NUL, ESC (colour and cursor codes), bidi overrides and other
+    control or format characters, lone surrogates (undecodable file names) and separators other
+    than the space become Python escapes (``\n``, ``\x1b``, ``\u202e``), so a key, a path or a
+    message read from a file can neither start a line, nor rewrite one, nor colour one.
+    Backslashes stay as they are, so applying it twice changes nothing.
+    """
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else _escaped(c) for c in s)
+
+
+def _escaped(c: str) -> str:
+    return c.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+def render(lines: Iterable[object]) -> str:
+    """Human output from raw lines: each line `shown`, then joined.
+
+    NOTE: [one rendering boundary] Findings, notes, reports and the command line keep keys,
+    paths and messages as they were read (``--json`` and the Python API need them exact) and
+    build their text as a list of lines; this is the one place where it becomes text for a
+    terminal. The only line breaks in the result are the ones between `lines`.
+    """
+    return "\n".join(shown(line) for line in lines)
+
+
 def describe_error(exc: BaseException) -> str:
-    """An exception in one line: type, message (its first line) and where it was raised."""
-    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    loc = f" (at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno})" if where else ""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}{' ...' if len(text) > 1 else ''}{loc}"
+    """An exception in one line, in words: the root cause named, no repr, no traceback.
+
+    A DCP ``CheckpointException`` is unwrapped to the first failing rank's own exception, and a
+    library error to the system error it swallowed (`root_cause`); an OSError becomes its file
+    and its system message ("No space left on device"); fsdpcheck's own errors and the usual
+    unreadable-input types are their message alone, escaped (`shown`); anything else (a bug)
+    keeps its type, its first line and where it was raised.
+    """
+    _, exc = root_cause(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return shown(f"{where}{exc.strerror}")
+    text = str(exc).strip()
+    if isinstance(exc, _WORDS_SUFFICE) and not isinstance(exc, KeyError) and text:
+        # Written for people, often with a path in it: whole (a line break in a file name is
+        # data, shown escaped), up to a length.
+        return _capped(shown(text))
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    first = _capped(lines[0].strip()) if lines else ""
+    if len(lines) > 1 and not first.endswith(" ..."):
+        first += " ..."  # other libraries' messages can span a page: their first line
+    tb = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    loc = f" (at {tb[0].filename.rsplit('/', 1)[-1]}:{tb[0].lineno})" if tb else ""
+    return shown(f"{type(exc).__name__}{': ' if first else ''}{first}{loc}")
+
+
+def _capped(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+# Exceptions whose message says what happened without their type's name.
+_WORDS_SUFFICE = (OSError, ValueError, TypeError, LookupError)
+
+
+def root_cause(exc: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception): what really failed, and on which rank when DCP says.
+
+    DCP gathers every rank's failure into one exception whose text is a traceback per rank and
+    whose ``failures`` map ranks to ``(exception, stack summary)`` pairs (older torch: objects
+    with ``.exc``): the first failing rank's own exception is taken. An error raised while
+    handling a system error (torch's zip writer reports a full disk as "unexpected pos 704 vs
+    598" while the OSError it swallowed is its context) gives way to that OSError, unless its
+    raiser replaced it on purpose (``raise ... from None``) or wrote it for people (fsdpcheck's
+    errors, OSError, ValueError, ...). No rank: None.
+    """
+    rank = None
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner: Any = failures[rank]
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]
+        inner = getattr(inner, "exc", None) or inner
+        if isinstance(inner, BaseException):
+            exc = inner
+    if isinstance(exc, _WORDS_SUFFICE):  # a message written for people already
+        return rank, exc
+    seen = {id(exc)}
+    link: BaseException | None = exc
+    while link is not None:
+        if isinstance(link, OSError) and link.errno is not None and link is not exc:
+            return rank, link
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+        if link is not None and id(link) in seen:
+            break
+        seen.add(id(link))
+    return rank, exc
 
 
 @dataclass
@@ -108,10 +199,18 @@ class Finding:
             raise ValueError(f"unknown finding kind {self.kind!r}")
 
     def describe(self) -> str:
-        """The finding in the words of torch.testing.assert_close, with global indices."""
+        """The finding in the words of torch.testing.assert_close, with global indices.
+
+        Text for a terminal: the key and message are `shown` (their own line breaks and control
+        characters made visible); ``lines()`` gives them as they are.
+        """
+        return render(self.lines())
+
+    def lines(self) -> list[str]:
+        """The finding's lines, with its key and message as they are (not yet `shown`)."""
         head = f"[{self.kind}] {self.key}"
         if self.kind != "value":
-            return f"{head}: {self.message}"
+            return [f"{head}: {self.message}"]
         pct = 100.0 * self.mismatched / self.numel if self.numel else 0.0
         lines = [head + (f": {self.message}" if self.message else "")]
         if self.numel:  # fingerprint findings know that something differs, not how much
@@ -126,7 +225,7 @@ class Finding:
                 f"  Greatest relative difference: {self.max_rel_diff} at index "
                 f"{self.max_rel_index}{_on(self.rel_rank)} (up to {self.rtol} allowed)"
             )
-        return "\n".join(lines)
+        return lines
 
     @classmethod
     def value(
@@ -312,15 +411,23 @@ class Report:
 
     def mapping_table(self) -> str:
         """The mapping as text, one row per tensor."""
-        width = max((len(r.a or "-") for r in self.mapping), default=1)
-        return "\n".join(
-            f"  {r.a or '-':{width}s}  {r.status:10s}  {r.b or '-'}"
+        return render(self.mapping_lines())
+
+    def mapping_lines(self) -> list[str]:
+        """The mapping's rows (names aligned as they will be shown)."""
+        names = [shown(r.a or "-") for r in self.mapping]
+        width = max((len(n) for n in names), default=1)
+        return [
+            f"  {n:{width}s}  {r.status:10s}  {r.b or '-'}"
             + (f"  ({r.reason})" if r.reason else "")
-            for r in self.mapping
-        )
+            for n, r in zip(names, self.mapping)
+        ]
 
     def summary(self) -> str:
         """One line: verdict and what was checked."""
+        return shown(self._summary())
+
+    def _summary(self) -> str:
         verdict = "OK" if self.ok else f"FAILED with {len(self.findings)} finding(s)"
         counts = self.counts()
         what = counts if counts else f"{self.keys_checked} keys"
@@ -331,11 +438,15 @@ class Report:
         read = f"{self.bytes_read / 1e6:,.1f} MB read in " if self.bytes_read else ""
         return f"fsdpcheck: {verdict}: {what} against {self.reference}; {read}{self.seconds:.2f} s"
 
+    def lines(self) -> list[str]:
+        """The report's lines (summary, findings, notes), as they are (not yet `shown`)."""
+        out = [self._summary()]
+        for f in self.findings:
+            out += f.lines()
+        return out + [f"note: {n}" for n in self.notes]
+
     def __str__(self) -> str:
-        parts = [self.summary()]
-        parts += [f.describe() for f in self.findings]
-        parts += [f"note: {n}" for n in self.notes]
-        return "\n".join(parts)
+        return render(self.lines())
 
     def raise_if_failed(self) -> None:
         """Raises VerificationError with the report's text when there is any finding."""

@@ -1,16 +1,19 @@
 """fsdpcheck.save: a DCP checkpoint with a fingerprint manifest, written atomically.
 
-save writes into a temporary sibling directory that is renamed into place once every rank has
-finished; the manifest of a checkpoint another library wrote is built here too (trainer
-integrations write one at each save).
+save writes into a scratch sibling directory that takes the target's place in one atomic step
+once every rank has finished (NOTE: [atomic publication]); the manifest of a checkpoint another
+library wrote is built here too (trainer integrations write one at each save).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import errno
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,16 +21,25 @@ from typing import Any
 import torch
 
 from fsdpcheck import _version, matching
-from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.collectives import Comm, agree, distinct
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
+from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers
-from fsdpcheck.manifest import Manifest, ManifestEntry, write_manifest
-from fsdpcheck.report import normalized
+from fsdpcheck.manifest import (
+    Manifest,
+    ManifestEntry,
+    SaveIdentity,
+    fsync_dir,
+    sha256_of,
+    write_manifest,
+)
+from fsdpcheck.report import describe_error, normalized, root_cause
 from fsdpcheck.sources import Source, open_source
 from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.sources.dcp_metadata import METADATA_FILE, read_dcp_metadata
 
-__all__ = ["build_manifest", "save", "write_checkpoint_manifest"]
+__all__ = ["build_manifest", "dcp_saves", "save", "stale_reason", "write_checkpoint_manifest"]
 
 
 def save(
@@ -42,11 +54,12 @@ def save(
 
     Collective. The ranks first agree on the path. The state dict comes from torch's
     ``get_state_dict`` (FQN keys, saved as ``model.<fqn>`` and ``optim.state.<fqn>.<name>``)
-    and is written into a temporary sibling directory together with the manifest (per key its
-    Fingerprint v1, global shape, dtype and checkpoint key; for the checkpoint its kind, world
-    size, meshes, versions). Only when every rank has finished is it renamed into place, so a
-    save killed half-way leaves the old checkpoint as it was and nothing ``load`` or ``audit``
-    would accept, and stale files of an earlier, larger save never mix into a new one.
+    and is written into a hidden scratch sibling directory together with the manifest (per key
+    its Fingerprint v1, global shape, dtype and checkpoint key; for the checkpoint its kind,
+    world size, meshes, versions, DCP save id). Only when every rank has finished does it take
+    the target's place, in one atomic step (NOTE: [atomic publication]): killed at any instant,
+    the target holds the old checkpoint or the new one, whole, and stale files of an earlier,
+    larger save never mix into a new one. A symlinked target is written through.
 
     Args:
         model: The (sharded) model.
@@ -60,24 +73,31 @@ def save(
         The manifest (identical on every rank).
 
     Raises:
-        RuntimeError: On every rank, when any rank failed (the message names the rank).
+        RuntimeError: On every rank, when any rank failed (the message names the rank and the
+            root cause; ``RankStoppedError`` when a rank died).
+        OSError: DCP's writing failed with a system error (a full disk: "No space left on
+            device"), on every rank; the target is as it was.
         FileExistsError: `path` holds something and `overwrite` is False (on every rank).
     """
     comm = Comm(group)
-    target = Path(path).absolute()
-    token = secrets.token_hex(6)
-    paths = comm.all_gather_object((str(target), token))
-    if len({p for p, _ in paths}) != 1:
+    given = Path(path).absolute()
+    target = resolve_target(given)
+    # The same directory everywhere (one all-reduce when the ranks agree: NOTE: [bytes per
+    # rank]); the scratch name from rank 0.
+    groups, past = distinct(comm, (str(given), str(target)))
+    if len(groups) > 1 or past:
         raise RuntimeError(
             "fsdpcheck.save: the ranks were given different paths "
-            f"({sorted({p for p, _ in paths})}); every rank must save to the same directory"
+            f"({sorted({g.payload[0] for g in groups})}) or see them lead to different "
+            f"directories ({sorted({g.payload[1] for g in groups})}); every rank must save to "
+            "the same directory"
         )
-    tmp = target.parent / f".{target.name}.fsdpcheck-tmp-{paths[0][1]}"
+    tmp = scratch_dir(target, comm.broadcast_object(secrets.token_hex(6), 0))
 
     def prepare() -> dict[str, Any]:
         if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
             raise FileExistsError(
-                f"{target} exists and is not empty; pass overwrite=True to replace it"
+                f"{given} exists and is not empty; pass overwrite=True to replace it"
             )
         optimizers = inner_optimizers(optimizer) if optimizer is not None else []
         empty = [i for i, o in enumerate(optimizers) if not o.state]
@@ -88,28 +108,62 @@ def save(
                 "initialise it; step it first or save without optimizer="
             )
         if comm.rank == 0:
+            remove_leftovers(target)
             tmp.mkdir(parents=True)
         return _save_state(model, optimizers)
 
-    state = agree(comm, prepare, f"fsdpcheck.save to {target}")
+    state = agree(comm, prepare, f"fsdpcheck.save to {given}")
+    _step("scratch made")
     try:
-        from torch.distributed.checkpoint import save as dcp_save
-
-        dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
+        _dcp_save(state, tmp, given, group, comm)
+        _step("state written")
         fps = fingerprint_report(model, optimizer=optimizer, group=group)
-        manifest = agree(comm, lambda: _saved_manifest(tmp, fps, comm), "building the manifest")
+        # Rank 0 reads what DCP wrote and builds the manifest; the others get it from rank 0
+        # (one broadcast of O(keys)), so it is read once per job and identical everywhere.
+        built = agree(
+            comm,
+            lambda: _saved_manifest(tmp, fps, comm) if comm.rank == 0 else None,
+            "building the manifest",
+        )
+        manifest: Manifest = comm.broadcast_object(built, 0)
 
         def publish() -> None:
             if comm.rank == 0:
                 write_manifest(tmp, manifest)
-                _replace(tmp, target)
+                _step("manifest written")
+                publish_dir(tmp, target)
 
-        agree(comm, publish, f"moving the checkpoint into {target}")
+        agree(comm, publish, f"moving the checkpoint into {given}")
     except BaseException:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, comm: Comm) -> None:
+    """DCP's save into the scratch directory; its failure in one line naming the root cause."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    try:
+        dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        lost = comm.lost_rank(exc, "fsdpcheck.save (DCP writing the state)")
+        if lost is not None:
+            raise lost from None
+        rank, cause = root_cause(exc)
+        on = f" on rank {rank}" if rank is not None and comm.world > 1 else ""
+        message = (
+            f"fsdpcheck.save to {given} failed{on}: {describe_error(cause)} (while DCP wrote "
+            f"the state into {tmp.name}; {given} is as it was)"
+        )
+        if isinstance(cause, OSError):
+            err = OSError(message)
+            err.errno = cause.errno
+            raise err from None
+        raise RuntimeError(message) from None
 
 
 def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]:
@@ -122,17 +176,26 @@ def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]
     return {"model": get_model_state_dict(model)}
 
 
-def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> Manifest:
+def build_manifest(
+    source: Source,
+    fps: FingerprintResult,
+    world_size: int,
+    saves: dict[str, SaveIdentity] | None = None,
+) -> Manifest:
     """The manifest of a checkpoint from the fingerprint pass over the live state it holds.
 
     Args:
         source: The checkpoint as written (its keys name each entry's ``checkpoint_key``).
         fps: ``fingerprint_report`` of the live model (and optimizer) that was saved.
         world_size: Ranks that saved it.
+        saves: The DCP save(s) it describes (``dcp_saves``), by directory relative to the
+            manifest's folder.
     """
     keys = checkpoint_keys(source)
     listed = [n for n in fps.layouts if n not in fps.tied]
-    by_name, unpaired = matching.match_names(listed, keys)
+    by_name, unpaired = matching.match_names(
+        listed, keys, order=fps.order, read_objects=source.read_objects
+    )
     entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()
     for name, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
@@ -157,6 +220,7 @@ def build_manifest(source: Source, fps: FingerprintResult, world_size: int) -> M
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tied=dict(fps.tied),
         findings_at_save=[f.describe() for f in normalized(fps.findings + unpaired)],
+        saves=dict(saves or {}),
     )
 
 
@@ -190,36 +254,174 @@ def write_checkpoint_manifest(
         # ranks may see the folder before it is complete. A failure still reaches every rank.
         if comm.rank != 0:
             return None
-        source = open_source(files() if files is not None else root)
+        parts = files() if files is not None else [root]
+        source = open_source(parts if files is not None else root)
         try:
-            manifest = build_manifest(source, fps, comm.world)
+            manifest = build_manifest(source, fps, comm.world, dcp_saves(root, parts))
         finally:
             source.close()
         write_manifest(root, manifest)
         return manifest
 
     built = agree(comm, build_and_write, f"writing the fsdpcheck manifest of {root}")
-    manifest: Manifest = comm.all_gather_object(built)[0]
+    manifest: Manifest = comm.broadcast_object(built, 0)  # from the rank that wrote it
     return manifest
 
 
 def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Comm) -> Manifest:
     source = DCPSource(tmp)
     try:
-        return build_manifest(source, fps, comm.world)
+        return build_manifest(source, fps, comm.world, dcp_saves(tmp, [tmp]))
     finally:
         source.close()
 
 
-def _replace(tmp: Path, target: Path) -> None:
-    """Renames `tmp` to `target`; an existing target is moved aside first, then removed."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.fsdpcheck-old-{secrets.token_hex(6)}"
-        target.rename(old)
-    tmp.rename(target)
-    if old is not None:
-        if old.is_dir():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+def dcp_saves(root: Path, parts: list[Path]) -> dict[str, SaveIdentity]:
+    """Which DCP save each DCP directory among `parts` holds, by path relative to `root`.
+
+    Parts that are not DCP directories, lie outside `root`, or whose metadata carries no save
+    id (torch before 2.4) are left out.
+    """
+    out = {}
+    for part in parts:
+        if not is_dcp_dir(part):
+            continue
+        try:
+            rel = part.absolute().relative_to(root.absolute()).as_posix()
+        except ValueError:
+            continue
+        save_id = _save_id(part)
+        if save_id is not None:
+            out[rel] = SaveIdentity(save_id, sha256_of(part / METADATA_FILE))
+    return out
+
+
+def stale_reason(folder: str | os.PathLike[str], manifest: Manifest) -> str | None:
+    """Why the manifest belongs to an earlier save than the checkpoint beside it, or None.
+
+    A DCP save writes a new save id into ``.metadata``; a manifest that names another one was
+    left behind by an earlier save (typically a plain ``dcp.save`` into a folder that
+    ``fsdpcheck.save`` wrote before): its shapes and fingerprints describe that save, and
+    mismatches against it say nothing about this one. A ``.metadata`` changed some other way
+    (damaged, edited) keeps its save id: that is for the structure checks to report.
+    """
+    for rel, want in sorted(manifest.saves.items()):
+        d = Path(folder) / rel
+        try:
+            if sha256_of(d / METADATA_FILE) == want.metadata_sha256:
+                continue
+            have = _save_id(d)
+        except (OSError, ValueError):  # unreadable or gone: the structure checks say so
+            continue
+        if have is not None and have != want.save_id:
+            where = "" if rel == "." else f" in {rel}"
+            return (
+                f"the manifest is stale: it was written for an earlier save (DCP save id "
+                f"{want.save_id}; the checkpoint{where} is save {have}: another save wrote "
+                "into this folder after it), so its shapes and fingerprints describe that save"
+            )
+    return None
+
+
+def _save_id(d: Path) -> str | None:
+    meta = getattr(read_dcp_metadata(d), "storage_meta", None)
+    save_id = getattr(meta, "save_id", None)
+    return save_id if isinstance(save_id, str) else None
+
+
+# -------------------------------------------------------------------------------------------
+# NOTE: [atomic publication] At every instant the target path holds either the old complete
+# checkpoint or the new complete one, whatever kills the process:
+# - every rank writes into a scratch sibling, ``.<name>.fsdpcheck-tmp-<token>`` (hidden, and
+#   never a name any reader recognises as a checkpoint); the manifest goes in last, itself
+#   written to a hidden file, flushed and renamed;
+# - the scratch directory then takes the target's place in ONE step: rename(2) when there is
+#   no target or an empty directory, renameat2(RENAME_EXCHANGE) over an existing checkpoint
+#   (the two names swap atomically; Linux 3.15+, on ext4, xfs, btrfs, tmpfs, overlayfs, ...),
+#   after which the old checkpoint, now under the scratch name, is deleted;
+# - a kill leaves at most a scratch directory (half-written, or the old checkpoint half
+#   deleted), which the next save to the same target removes before it starts.
+# Where the filesystem cannot exchange (EINVAL: NFS, FUSE, CIFS, ...) the old checkpoint is
+# renamed aside first, so between the two renames the target is briefly absent; the old one is
+# whole under ``.<name>.fsdpcheck-old-<token>``. A symlinked target is written through: the
+# link stays and the directory it leads to is replaced (its leftovers sit beside that).
+
+# Called with the name of each step of a save once it is done (tests kill the process there).
+_STEP_HOOK: Callable[[str], None] | None = None
+_LEFTOVER_TAGS = (".fsdpcheck-tmp-", ".fsdpcheck-old-")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _step(name: str) -> None:
+    if _STEP_HOOK is not None:
+        _STEP_HOOK(name)
+
+
+def resolve_target(path: Path) -> Path:
+    """The directory a save to `path` replaces: `path`, or where its symlinks lead."""
+    return Path(os.path.realpath(path))
+
+
+def scratch_dir(target: Path, token: str) -> Path:
+    """The scratch sibling a save to `target` writes into."""
+    return target.parent / f".{target.name}{_LEFTOVER_TAGS[0]}{token}"
+
+
+def remove_leftovers(target: Path) -> list[str]:
+    """Removes what killed saves to `target` left beside it; returns their names."""
+    if not target.parent.is_dir():
+        return []
+    removed = []
+    prefixes = tuple(f".{target.name}{tag}" for tag in _LEFTOVER_TAGS)
+    for q in target.parent.iterdir():
+        if q.name.startswith(prefixes):
+            _remove(q)
+            removed.append(q.name)
+    return removed
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Puts `tmp` in `target`'s place atomically (NOTE: [atomic publication])."""
+    if not os.path.lexists(target) or (target.is_dir() and not any(target.iterdir())):
+        # rename(2) onto nothing, or onto an empty directory, is one atomic step; if something
+        # appears there meanwhile it fails (ENOTEMPTY, EEXIST) and replaces nothing.
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        _step("published")
+        _remove(tmp)  # the old checkpoint, under the scratch name now
+    else:
+        old = target.parent / f".{target.name}{_LEFTOVER_TAGS[1]}{tmp.name.rsplit('-', 1)[-1]}"
+        os.rename(target, old)
+        _step("old moved aside")
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # the old one back in its place
+            raise
+        _step("published")
+        _remove(old)
+    fsync_dir(target.parent)
+    _step("old removed")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths atomically (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:  # glibc before 2.28
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)

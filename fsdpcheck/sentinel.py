@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fsdpcheck.collectives import Comm
+from fsdpcheck.collectives import Comm, distinct
 from fsdpcheck.layout import local_layout
 from fsdpcheck.live import flat_live
 from fsdpcheck.report import Finding
@@ -53,11 +54,19 @@ def unwritten(marked: list[tuple[str, torch.Tensor]], comm: Comm) -> list[Findin
         n = int((t.view(view_dtype) == torch.tensor(bits, dtype=view_dtype)).sum())
         if n:
             local[key] = local.get(key, 0) + n
-    counts: dict[str, int] = {}
-    for rank_counts in comm.all_gather_object(local):
-        for key, n in rank_counts.items():
-            counts[key] = counts.get(key, 0) + n
-    return [
+    # The job's keys (pipeline stages mark different ones), then one summed row per key: no
+    # per-rank data travels (NOTE: [bytes per rank] in collectives).
+    groups, past = distinct(comm, sorted({key for key, _ in marked}))
+    universe = sorted(set().union(*(g.payload for g in groups)))
+    row = torch.tensor([local.get(k, 0) for k in universe], dtype=torch.int64)
+    summed = comm.all_reduce(row, dist.ReduceOp.SUM).tolist()
+    counts = {k: n for k, n in zip(universe, summed) if n}
+    findings = []
+    if past:
+        findings.append(
+            Finding("*", "error", f"ranks {past[:8]} marked keys not counted here", ranks=past)
+        )
+    return findings + [
         Finding(
             key,
             "missing",

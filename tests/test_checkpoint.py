@@ -398,3 +398,137 @@ def test_a_gap_is_a_gap_finding_in_verify_and_compare_never_data(tmp_path):
     r = fsdpcheck.compare_checkpoints(tmp_path / "ck", tmp_path / "good")
     assert kinds(r) == [("0.weight", "gap")], str(r)
     assert [row.status for row in r.mapping if row.a == "0.weight"] == ["skipped"]
+
+
+# ---------------------------------------------------------------------------------------------
+def _resave_with_dcp(path, seed):
+    """A plain dcp.save of another state into a folder fsdpcheck.save wrote (its manifest stays)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, opt = small_model(seed=seed)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), no_dist=True)
+    return m, opt
+
+
+def test_a_manifest_of_an_earlier_save_is_called_stale_not_a_mismatch(tmp_path):
+    from fsdpcheck.manifest import MANIFEST_NAME
+
+    ck = _dcp(tmp_path)
+    old_id = fsdpcheck.read_manifest(ck).saves["."].save_id
+    m1, opt1 = _resave_with_dcp(ck, seed=1)
+    r = fsdpcheck.audit(ck, deep=True)
+    assert kinds(r) == [(MANIFEST_NAME, "error")], str(r)
+    assert r.findings[0].message.startswith("the manifest is stale: it was written for an earlier")
+    assert old_id in r.findings[0].message
+    # load sets it aside (a note), checks against the files instead, and finds them right.
+    m2, opt2 = small_model(seed=2)
+    r = fsdpcheck.load(m2, ck, optimizer=opt2)
+    assert r.ok, str(r)
+    assert any(n.startswith("the manifest is stale") for n in r.notes)
+    assert any("fell back to verify='full'" in n for n in r.notes)
+    assert fsdpcheck.fingerprint(m2, optimizer=opt2) == fsdpcheck.fingerprint(m1, optimizer=opt1)
+
+
+def test_a_damaged_metadata_is_not_called_stale(tmp_path):
+    ck = _dcp(tmp_path)
+    _damage_metadata_gap(ck)  # .metadata rewritten, same save id
+    r = fsdpcheck.audit(ck)
+    assert kinds(r) == [("model.0.weight", "gap")], str(r)
+
+
+def test_audit_deep_on_a_manifest_without_fingerprints_says_so(tmp_path):
+    from fsdpcheck.manifest import MANIFEST_NAME
+
+    ck = _dcp(tmp_path)
+    mf = ck / MANIFEST_NAME
+    doc = json.loads(mf.read_text())
+    for e in doc["entries"].values():
+        e["fingerprint"] = None
+    mf.write_text(json.dumps(doc))
+    assert fsdpcheck.audit(ck).ok  # the structure alone is fine
+    r = fsdpcheck.audit(ck, deep=True)
+    assert kinds(r) == [(MANIFEST_NAME, "skipped")]
+    assert r.findings[0].message == (
+        "the manifest holds no fingerprints: --deep checked no value (only the structure was "
+        "checked)"
+    )
+    doc["entries"]["0.weight"]["fingerprint"] = (
+        f"{fsdpcheck.fingerprint(small_model()[0])['0.weight']:#018x}"
+    )
+    mf.write_text(json.dumps(doc))
+    r = fsdpcheck.audit(ck, deep=True)
+    assert r.ok and "ck: 15 manifest entries have no fingerprint" in r.notes[0], r.notes
+
+
+def test_a_deeply_nested_manifest_is_one_line(tmp_path):
+    from fsdpcheck.manifest import MANIFEST_NAME
+
+    ck = _dcp(tmp_path)
+    (ck / MANIFEST_NAME).write_text("[" * 100_000 + "]" * 100_000)
+    r = fsdpcheck.audit(ck)
+    assert kinds(r) == [(MANIFEST_NAME, "error")]
+    assert r.findings[0].message.endswith("is nested deeper than any manifest (not a manifest)")
+    with pytest.raises(fsdpcheck.ManifestError, match="nested deeper"):
+        fsdpcheck.load(small_model()[0], ck)
+
+
+@pytest.mark.parametrize(
+    ("shape", "offset", "bad"),
+    [((4, 3), (1.5, 0), "float 1.5"), ((4, 3), (1.0, 0), "float 1.0"),
+     ((4, 3), (True, 0), "bool True"), ((4.0, 3), None, "float 4.0"),
+     ((4, 3), ("1", 0), "str '1'")],
+)  # fmt: skip
+def test_box_refuses_what_is_not_an_integer(shape, offset, bad):
+    import numpy as np
+
+    with pytest.raises(TypeError, match=f"must be a sequence of ints, got {bad}"):
+        fsdpcheck.Box(shape, offset)
+    b = fsdpcheck.Box(torch.Size([4, 3]), (np.int64(1), torch.tensor(2)))
+    assert b.offset == (1, 2) and all(type(o) is int for o in b.offset)
+
+
+def test_describe_error_names_the_root_cause_never_a_repr():
+    import traceback as tb
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fsdpcheck.report import describe_error
+
+    inner = OSError(28, "No space left on device", "/ck/__0_0.distcp")
+    wrapped = CheckpointException("boom", {1: (inner, tb.StackSummary()), 3: (ValueError(), None)})
+    assert describe_error(wrapped) == "/ck/__0_0.distcp: No space left on device"
+    # torch's zip writer reports a full disk as a position mismatch; the OSError is its context.
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from None
+    except RuntimeError as suppressed:
+        assert describe_error(suppressed).startswith("RuntimeError: [enforce fail")
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")  # noqa: B904
+    except RuntimeError as swallowed:
+        assert describe_error(swallowed) == "No space left on device"
+    text = describe_error(ValueError("a\nb\x1b[31m"))
+    assert text == "a\\nb\\x1b[31m"
+
+
+def test_a_failed_dcp_read_inside_load_names_the_file_and_key(tmp_path):
+    ck = _dcp(tmp_path)
+    f = next(ck.glob("*.distcp"))
+    data = bytearray(f.read_bytes())
+    data[:4] = b"XXXX"  # the first saved blob no longer unpickles
+    f.write_bytes(bytes(data))
+    m2, opt2 = small_model(seed=1)
+    with pytest.raises(fsdpcheck.sources.base.CheckpointError) as e:
+        fsdpcheck.load(m2, ck, optimizer=opt2)
+    text = str(e.value)
+    assert "\n" not in text and "FrameSummary" not in text and "Traceback" not in text
+    # Read while pairing (agreed on by every rank), before any byte reaches the model.
+    assert text.startswith(f"pairing {ck} with the model failed: ")
+    assert f"{f}: optim.param_groups.0.lr cannot be loaded weights_only" in text

@@ -179,3 +179,100 @@ def test_python_dash_m_works(ckpts):
         text=True,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing read from a file reaches the terminal raw.
+FORGED = {
+    "ok_line": "w\nfsdpcheck: OK: 1 keys on actual, 1 on expected, 1 compared, 0 skipped",
+    "finding": "b\n[value] forged.weight",
+    "recolour": "c\x1b[2K\r\x1b[32mfsdpcheck: OK\x1b[0m",
+    "nul_rtl": "d\x00\u202egnp.exe",
+}
+
+
+def assert_shown(text: str) -> list[str]:
+    """Every line printable (no CR, ESC, NUL, bidi override); the lines."""
+    lines = text.split("\n")
+    for line in lines:
+        assert line.isprintable(), f"a raw character reached the terminal: {line!r}"
+    return [ln for ln in lines if ln]
+
+
+@pytest.fixture(scope="module")
+def forged(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("forged")
+    actual = {k: torch.ones(3) for k in FORGED.values()}
+    expected = dict(actual)
+    expected[FORGED["finding"]] = torch.tensor([1.0, 2.0, 1.0])
+    del expected[FORGED["nul_rtl"]]
+    save_file(actual, str(d / "a.safetensors"))
+    save_file(expected, str(d / "b.safetensors"))
+    # A DCP directory whose name and keys carry the same characters.
+    ck = d / "ck\n[value] dir.weight\x1b[31m"
+    dcp.save(dict(actual), checkpoint_id=str(ck), no_dist=True)
+    return d, ck
+
+
+def test_keys_cannot_forge_a_line_a_verdict_or_a_colour(forged, capsys):
+    d, ck = forged
+    code, out, err = run(
+        capsys, "compare", str(d / "a.safetensors"), str(d / "b.safetensors"), "--show-mapping"
+    )
+    lines = assert_shown(out + err)
+    assert code == 1
+    assert [ln for ln in lines if ln.startswith("fsdpcheck:")] == [lines[0]]
+    assert lines[0].startswith("fsdpcheck: FAILED with 2 finding(s)")
+    assert [ln for ln in lines if ln.startswith("[")] == [
+        "[value] b\\n[value] forged.weight",
+        "[unexpected] d\\x00\\u202egnp.exe: in actual but not in expected; --key-map OLD=NEW "
+        "(key_map=) if they name it differently, --ignore (ignore=) to leave it out",
+    ]
+    assert "  c\\x1b[2K\\r\\x1b[32mfsdpcheck: OK\\x1b[0m" in out
+    # --json stays exact: the keys as the file holds them.
+    code, out, _ = run(capsys, "compare", str(d / "a.safetensors"), str(d / "b.safetensors"),
+                       "--json")  # fmt: skip
+    report = json.loads(out)
+    assert {f["key"] for f in report["findings"]} == {FORGED["finding"], FORGED["nul_rtl"]}
+    assert {r["a"] for r in report["mapping"]} == set(FORGED.values())
+    for command in ("inspect", "fingerprint", "audit"):
+        for target in (d / "a.safetensors", ck):
+            code, out, err = run(capsys, command, str(target))
+            lines = assert_shown(out + err)
+            assert code == 0, (command, out, err)
+            assert not [ln for ln in lines if ln.startswith(("fsdpcheck: OK", "[value]"))][1:]
+            assert not any(ln.startswith(("[value] forged", "[value] dir")) for ln in lines)
+    code, out, _ = run(capsys, "fingerprint", str(ck), "--json")
+    assert set(json.loads(out)) == set(FORGED.values())
+    code, out, _ = run(capsys, "fingerprint", str(ck))
+    assert len(out.splitlines()) == len(FORGED)
+
+
+def test_an_error_line_shows_the_path_escaped(capsys, tmp_path):
+    code, _, err = run(capsys, "inspect", str(tmp_path / "x\nfsdpcheck: OK\x1b[32m"))
+    assert code == 2 and err.count("\n") == 1
+    assert_shown(err)
+    assert "x\\nfsdpcheck: OK\\x1b[32m" in err
+
+
+def test_inspect_exits_1_when_it_lists_a_problem(ckpts, capsys, tmp_path):
+    import shutil
+
+    d = shutil.copytree(ckpts / "ck", tmp_path / "ck")
+    data = next(d.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])  # storage entries now lie past its end
+    code, out, _ = run(capsys, "inspect", str(d))
+    assert code == 1 and "[error]" in out, out
+    code, out, _ = run(capsys, "inspect", str(d), "--json")
+    assert code == 1 and json.loads(out)["problems"]
+    assert run(capsys, "inspect", str(ckpts / "ck"))[0] == 0
+
+
+def test_compare_refuses_meta_tensors(ckpts, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(ckpts / "good.safetensors"), str(ckpts / "ck"), "--device", "meta"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "meta tensors hold no values" in err

@@ -5,7 +5,9 @@ swap in a hostile pickle, mangle JSON, mangle the DCP metadata structures) and r
 ``fingerprint_checkpoint`` and ``audit`` under a watchdog. Allowed outcomes: an exception of an
 unreadable-input type (ValueError, OSError) with a one-line message, or a result. A result whose
 fingerprints all equal the pristine ones must come from data that an independent reader (torch
-itself, on non-hostile mutations) also finds bit-identical to the pristine data.
+itself, on non-hostile mutations) also finds bit-identical to the pristine data. Key names
+full of control, format and bidi characters go through every command of the command line: each
+printed line is printable, and no key adds a verdict or a finding line.
 
 Deterministic in CI (``derandomize``); ``FSDPCHECK_FUZZ_EXAMPLES=N`` runs N examples per input.
 """
@@ -349,3 +351,71 @@ def test_fuzz_manifest_json(pristine, tmp_path_factory, doc):
     r = bounded(lambda: fsdpcheck.audit(d), WATCHDOG_S)
     for f in r.findings:
         assert "\n" not in f.message
+
+
+# ---------------------------------------------------------------------------------------------
+# Key names with control characters: nothing of them reaches the terminal raw, in any command.
+_KEY_CHARS = st.characters(
+    codec="utf-8",
+    categories=("Cc", "Cf", "Zl", "Zp", "Zs", "Lu", "Nd"),
+    include_characters="\n\r\x1b\x00\u202e\u2066[]:. ",
+)
+_FORMATS = ("safetensors", "torch_save", "dcp")
+
+
+def _write_keys(fmt: str, path: Path, state: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    if fmt == "safetensors":
+        save_file(state, str(path.with_suffix(".safetensors")))
+        return path.with_suffix(".safetensors")
+    if fmt == "torch_save":
+        torch.save(state, path.with_suffix(".pt"))
+        return path.with_suffix(".pt")
+    return save_dcp(path, dict(state))
+
+
+def _cli(argv: list[str]) -> tuple[int, list[str]]:
+    """Runs a command in this process; its exit code and every line it printed."""
+    import contextlib
+
+    from fsdpcheck.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    lines = [ln for ln in (out.getvalue() + err.getvalue()).split("\n") if ln]
+    for line in lines:
+        assert line.isprintable(), f"{argv[0]}: a raw character reached the terminal: {line!r}"
+    return code, lines
+
+
+@FUZZ
+@given(
+    keys=st.lists(st.text(_KEY_CHARS, min_size=1, max_size=10), min_size=1, max_size=4,
+                  unique=True),
+    fmt=st.sampled_from(_FORMATS),
+)  # fmt: skip
+def test_fuzz_key_names_with_control_characters(tmp_path_factory, keys, fmt):
+    """Every line printable; no extra verdict or finding line; --json keeps the keys exact."""
+    from fsdpcheck.report import shown
+
+    d = tmp_path_factory.mktemp("keys")
+    state = {k: torch.full((2,), float(i + 1)) for i, k in enumerate(keys)}
+    other = {**state, keys[0]: state[keys[0]] + 1}  # one real value finding
+    a, b = _write_keys(fmt, d / "a", state), _write_keys(fmt, d / "b", other)
+    code, lines = _cli(["compare", str(a), str(b), "--show-mapping"])
+    assert code == 1
+    assert [ln for ln in lines if ln.startswith("fsdpcheck:")] == [lines[0]]
+    assert lines[0].startswith("fsdpcheck: FAILED with 1 finding(s)")
+    assert [ln for ln in lines if ln.startswith("[")] == [f"[value] {shown(keys[0])}"]
+    code, lines = _cli(["fingerprint", str(a), "--json"])
+    fps = json.loads("\n".join(lines))
+    assert code == 0 and set(fps) == set(keys)  # exact, as the file spells them
+    code, lines = _cli(["fingerprint", str(a)])
+    width = max(len(shown(k)) for k in fps)
+    assert sorted(lines) == sorted(f"{shown(k):{width}s}  {v}" for k, v in fps.items())
+    for command in ("inspect", "audit"):
+        code, lines = _cli([command, str(a)])
+        assert code == 0, lines
+        assert not [ln for ln in lines if ln.startswith(("fsdpcheck: OK", "["))][1:], lines
