@@ -7,7 +7,7 @@ schemas are spelled out in one place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -72,6 +72,25 @@ def compare_rows(
 ) -> torch.Tensor:
     """Runs ``fsdpcheck::compare``: an int64 ``[len(actual), ROW_WORDS]`` table on their device."""
     return torch.ops.fsdpcheck.compare.default(
+        *_compare_args(
+            actual, expected, box_shapes, box_offsets, rtol, atol, equal_nan, fingerprints, stats
+        )
+    )
+
+
+def _compare_args(
+    actual: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    box_shapes: Sequence[int],
+    box_offsets: Sequence[int],
+    rtol: float,
+    atol: float,
+    equal_nan: bool,
+    fingerprints: bool,
+    stats: bool,
+) -> tuple[Any, ...]:
+    """The arguments of the compare schema, as the dispatcher takes them."""
+    return (
         list(actual),
         list(expected),
         list(box_shapes),
@@ -125,15 +144,9 @@ def testing_rows(
         single: One tensor per row, the path of ``fingerprint``.
     """
     return getattr(torch.ops.fsdpcheck, op).default(
-        list(actual),
-        list(expected),
-        list(box_shapes),
-        list(box_offsets),
-        float(rtol),
-        float(atol),
-        bool(equal_nan),
-        bool(fingerprints),
-        bool(stats),
+        *_compare_args(
+            actual, expected, box_shapes, box_offsets, rtol, atol, equal_nan, fingerprints, stats
+        ),
         bool(single),
     )
 
