@@ -2,8 +2,8 @@
 
 Raw DCP chunks (byte ranges straight into the destination) against the safe reader (torch.load
 weights_only of each blob); safetensors compared in place from the mapping against get_slice;
-torch.save views; blocks and batches cut by tiny memory budgets; the prefetch pipeline's order,
-errors and (with a stand-in CUDA module) its stream/event protocol.
+torch.save views; blocks and batches cut by tiny memory budgets; the prefetch pipeline's order
+and errors (its stream/event protocol: tests/test_prefetch.py).
 """
 
 from __future__ import annotations
