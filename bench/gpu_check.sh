@@ -21,11 +21,20 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python -c "import fsdpcheck; print(fsdpcheck.build_info())"
 
 t0=$(date +%s)
-timeout 200 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
-  tests/test_verify.py tests/test_checkpoint.py > "$OUT/tests.log" 2>&1
+timeout 200 python -m pytest -q -x -p no:cacheprovider -k "not emulators" tests/test_cuda.py \
+  tests/test_kernels.py tests/test_prefetch.py tests/test_verify.py tests/test_checkpoint.py \
+  > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/tests.log"
 echo "tests: rc=$tests_rc, $(( $(date +%s) - t0 )) s"
+# The CUDA kernels on the GPU against the same kernels run by the CPU emulator (fsdpcheck::
+# _emulated, what every CI runs): every path, dtype and special-value placement, row for row.
+t0=$(date +%s)
+timeout 150 python -m pytest -q -p no:cacheprovider -k "emulators" tests/test_cuda.py \
+  > "$OUT/emulator.log" 2>&1
+emulator_rc=$?
+emulator_line="emulator vs cuda: rc=$emulator_rc, $(tail -1 "$OUT/emulator.log"), $(( $(date +%s) - t0 )) s"
+echo "$emulator_line"
 
 t0=$(date +%s)
 timeout 170 python bench/bench_kernels.py --device cuda --reps 10 --json "$OUT/bench.json" \
@@ -49,6 +58,8 @@ offline_rc=$?
 tail -14 "$OUT/offline.log"
 # The table last.
 grep -E "^# device|^workload|^(llama|small|cpu-mix)" "$OUT/bench.log" | grep -v "^  " | tail -45
-echo "tests rc=$tests_rc bench rc=$bench_rc verify rc=$verify_rc watch rc=$watch_rc offline rc=$offline_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$verify_rc" -eq 0 ] && [ "$watch_rc" -eq 0 ] \
-  && [ "$offline_rc" -eq 0 ]
+echo "$emulator_line"
+echo "tests rc=$tests_rc emulator rc=$emulator_rc bench rc=$bench_rc verify rc=$verify_rc" \
+  "watch rc=$watch_rc offline rc=$offline_rc"
+[ "$tests_rc" -eq 0 ] && [ "$emulator_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$verify_rc" -eq 0 ] \
+  && [ "$watch_rc" -eq 0 ] && [ "$offline_rc" -eq 0 ]

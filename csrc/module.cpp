@@ -26,6 +26,12 @@ TORCH_LIBRARY(fsdpcheck, m) {
       "_reference(Tensor[] actual, Tensor[] expected, int[] box_shapes, int[] box_offsets, "
       "float rtol, float atol, bool equal_nan, bool fingerprints, bool stats, bool single) "
       "-> Tensor");
+  // Testing aid (CPU only): the rows the CUDA kernels compute, run on the CPU by the emulator
+  // (csrc/emulator): slow, for a few chunks per call.
+  m.def(
+      "_emulated(Tensor[] actual, Tensor[] expected, int[] box_shapes, int[] box_offsets, "
+      "float rtol, float atol, bool equal_nan, bool fingerprints, bool stats, bool single) "
+      "-> Tensor");
 }
 
 namespace {

@@ -143,52 +143,29 @@ def compare(
             that does not contain its tensor, a negative tolerance.
     """
     actual, expected = list(actual), list(expected)
-    if len(actual) != len(expected):
-        raise ValueError(
-            f"fsdpcheck.compare: got {len(actual)} actual tensors but {len(expected)} expected"
-        )
-    if not (rtol >= 0.0 and atol >= 0.0):
-        raise ValueError(f"fsdpcheck.compare: rtol and atol must be >= 0, got {rtol}, {atol}")
-    box_list = _check_boxes(boxes, len(actual), "compare")
-    # One pass: check each pair and group by device. Messages are formatted only on error:
-    # this loop runs for every tensor, often thousands of times.
-    groups: dict[torch.device, list[int]] = {}
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        _check_tensor(a, "actual", i, "compare")
-        _check_tensor(e, "expected", i, "compare")
-        if a.shape != e.shape:
-            raise ValueError(
-                f"fsdpcheck.compare: pair {i} has shapes {tuple(a.shape)} (actual) and "
-                f"{tuple(e.shape)} (expected)"
-            )
-        dev = a.device
-        if e.device != dev:
-            raise ValueError(
-                f"fsdpcheck.compare: pair {i} is on {a.device} (actual) and {e.device} "
-                "(expected); move both to one device"
-            )
-        groups.setdefault(dev, []).append(i)
-    resolved = [_resolve_box(a, b, i, "compare") for i, (a, b) in enumerate(zip(actual, box_list))]
-
-    out: list[TensorDiff | None] = [None] * len(actual)
-    for idx in groups.values():
-        group = [actual[i] for i in idx] if len(groups) > 1 else actual
-        shapes, offsets = _flat_boxes(group, [resolved[i] for i in idx])
-        with torch.no_grad():
-            table = ops.compare_rows(
-                group,
-                [expected[i] for i in idx] if len(groups) > 1 else expected,
-                shapes,
-                offsets,
+    _check_tolerance(rtol, atol)
+    resolved, devices = _check_pairs(actual, expected, boxes)
+    whole = len(devices) == 1  # one device: the lists as given, no copies
+    launched = [
+        _Launch(
+            idx,
+            _launch_compare(
+                actual,
+                expected,
+                None if whole else idx,
+                resolved,
                 rtol,
                 atol,
                 equal_nan,
                 fingerprints,
                 stats,
-            ).cpu()
-        for i, words, floats in zip(idx, table.tolist(), table.view(torch.float64).tolist()):
-            out[i] = _to_diff(actual[i], resolved[i], words, floats, fingerprints, stats)
-    return out  # type: ignore[return-value]  # every slot was filled above
+            ),
+            fingerprints,
+            stats,
+        )
+        for idx in devices.values()
+    ]
+    return _collect(actual, resolved, launched)
 
 
 def fingerprint_tensors(
@@ -213,16 +190,22 @@ def fingerprint_tensors(
     box_list = _check_boxes(boxes, len(tensors), "fingerprint_tensors")
     for i, t in enumerate(tensors):
         _check_tensor(t, "tensors", i, "fingerprint_tensors")
+        if t.device.type == "cuda":
+            _check_aligned(t, "tensors", i, "fingerprint_tensors")
     resolved = [
         _resolve_box(t, b, i, "fingerprint_tensors")
         for i, (t, b) in enumerate(zip(tensors, box_list))
     ]
     out = [0] * len(tensors)
-    for idx in _group_by_device(tensors).values():
+    groups = list(_group_by_device(tensors).values())
+    tables = []
+    for idx in groups:
         group = [tensors[i] for i in idx]
-        shapes, offsets = _flat_boxes(group, [resolved[i] for i in idx])
         with torch.no_grad():
-            values = ops.fingerprint_rows(group, shapes, offsets)
+            tables.append(
+                ops.fingerprint_rows(group, *ops.flat_boxes(group, [resolved[i] for i in idx]))
+            )
+    for idx, values in zip(groups, _to_host(tables)):
         for i, v in zip(idx, values.tolist()):
             out[i] = v & MASK64
     return out
@@ -238,27 +221,24 @@ def compare_each(
 ) -> list[TensorDiff]:
     """``compare`` with a (rtol, atol, fingerprints) setting per pair, results in input order.
 
-    One fused call per distinct setting (a batch of reads usually has one or two).
+    One fused call per distinct setting and device (a batch of reads usually has one or two), all
+    launched before any result is read back (NOTE: [one read-back]).
     """
-    groups: dict[tuple[float, float, bool], list[int]] = {}
-    for j, setting in enumerate(settings):
-        groups.setdefault(setting, []).append(j)
-    out: list[TensorDiff | None] = [None] * len(settings)
-    for (rtol, atol, fp), idx in groups.items():
-        diffs = compare(
-            [actual[j] for j in idx],
-            [expected[j] for j in idx],
-            rtol=rtol,
-            atol=atol,
-            equal_nan=equal_nan,
-            boxes=[boxes[j] for j in idx],
-            fingerprints=fp,
+    actual, expected, settings = list(actual), list(expected), list(settings)
+    if len(settings) != len(actual):
+        raise ValueError(
+            f"fsdpcheck.compare: got {len(actual)} actual tensors but {len(settings)} settings"
         )
-        for j, d in zip(idx, diffs):
-            out[j] = d
-    done = [d for d in out if d is not None]
-    assert len(done) == len(out)  # every pair is in exactly one group
-    return done
+    resolved, _ = _check_pairs(actual, expected, boxes)
+    groups: dict[tuple[tuple[float, float, bool], torch.device], list[int]] = {}
+    for j, setting in enumerate(settings):
+        groups.setdefault((setting, actual[j].device), []).append(j)
+    launched = []
+    for ((rtol, atol, fp), _), idx in groups.items():
+        _check_tolerance(rtol, atol)
+        table = _launch_compare(actual, expected, idx, resolved, rtol, atol, equal_nan, fp, True)
+        launched.append(_Launch(idx, table, fp, True))
+    return _collect(actual, resolved, launched)
 
 
 def fingerprint_tensor(t: torch.Tensor, *, box: Box | None = None) -> int:
@@ -324,6 +304,18 @@ def _check_tensor(t: object, side: str, i: int, fn: str) -> None:
         raise ValueError(f"fsdpcheck.{fn}: {where} is on the meta device and holds no data")
 
 
+def _check_aligned(t: torch.Tensor, side: str, i: int, fn: str) -> None:
+    # The CUDA kernels read whole elements: one that straddles its alignment faults and takes
+    # the CUDA context down. torch never allocates such memory, but a view of a byte buffer
+    # (DLPack, frombuffer) can start anywhere. The operator checks again, by group index.
+    if t.numel() and t.data_ptr() % t.element_size():
+        raise ValueError(
+            f"fsdpcheck.{fn}: {side}[{i}] on {t.device} starts at byte address {t.data_ptr():#x}, "
+            f"not a multiple of its element size ({t.element_size()} bytes), which the CUDA "
+            "kernels cannot read; pass a copy (tensor.clone())"
+        )
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     # A DTensor exists only once torch.distributed.tensor is imported; importing it (through
     # _compat) just to say "no" would add ~0.6 s to the start-up of callers that never use one.
@@ -332,6 +324,130 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     from fsdpcheck import _compat
 
     return _compat.is_dtensor(t)
+
+
+def _check_tolerance(rtol: float, atol: float) -> None:
+    if not (rtol >= 0.0 and atol >= 0.0):
+        raise ValueError(f"fsdpcheck.compare: rtol and atol must be >= 0, got {rtol}, {atol}")
+
+
+def _check_pairs(
+    actual: list[torch.Tensor], expected: list[torch.Tensor], boxes: Sequence[Box | None] | None
+) -> tuple[list[Box | None], dict[torch.device, list[int]]]:
+    """The checked boxes of the pairs, and the pairs grouped by device (input order kept)."""
+    if len(actual) != len(expected):
+        raise ValueError(
+            f"fsdpcheck.compare: got {len(actual)} actual tensors but {len(expected)} expected"
+        )
+    box_list = _check_boxes(boxes, len(actual), "compare")
+    # One pass: check each pair and group by device. Messages are formatted only on error:
+    # this loop runs for every tensor, often thousands of times.
+    groups: dict[torch.device, list[int]] = {}
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        _check_tensor(a, "actual", i, "compare")
+        _check_tensor(e, "expected", i, "compare")
+        if a.shape != e.shape:
+            raise ValueError(
+                f"fsdpcheck.compare: pair {i} has shapes {tuple(a.shape)} (actual) and "
+                f"{tuple(e.shape)} (expected)"
+            )
+        dev = a.device
+        if e.device != dev:
+            raise ValueError(
+                f"fsdpcheck.compare: pair {i} is on {a.device} (actual) and {e.device} "
+                "(expected); move both to one device"
+            )
+        if dev.type == "cuda":
+            _check_aligned(a, "actual", i, "compare")
+            _check_aligned(e, "expected", i, "compare")
+        groups.setdefault(dev, []).append(i)
+    resolved = [_resolve_box(a, b, i, "compare") for i, (a, b) in enumerate(zip(actual, box_list))]
+    return resolved, groups
+
+
+@dataclass(slots=True)
+class _Launch:
+    """One operator call of a compare: its pairs (positions in the caller's lists), its table."""
+
+    idx: list[int]
+    table: torch.Tensor
+    fingerprints: bool
+    stats: bool
+
+
+def _launch_compare(
+    actual: list[torch.Tensor],
+    expected: list[torch.Tensor],
+    idx: list[int] | None,
+    resolved: list[Box | None],
+    rtol: float,
+    atol: float,
+    equal_nan: bool,
+    fingerprints: bool,
+    stats: bool,
+) -> torch.Tensor:
+    """Queues fsdpcheck::compare on the pairs `idx` (None: all); the table is not read back."""
+    a = actual if idx is None else [actual[i] for i in idx]
+    e = expected if idx is None else [expected[i] for i in idx]
+    boxes = resolved if idx is None else [resolved[i] for i in idx]
+    with torch.no_grad():
+        return ops.compare_rows(
+            a, e, *ops.flat_boxes(a, boxes), rtol, atol, equal_nan, fingerprints, stats
+        )
+
+
+def _collect(
+    actual: list[torch.Tensor], resolved: list[Box | None], launched: list[_Launch]
+) -> list[TensorDiff]:
+    """The TensorDiffs of every launch, in input order, after one read-back per device."""
+    out: list[TensorDiff | None] = [None] * len(actual)
+    for launch, table in zip(launched, _to_host([x.table for x in launched])):
+        for i, words, floats in zip(launch.idx, table.tolist(), table.view(torch.float64).tolist()):
+            out[i] = _to_diff(
+                actual[i], resolved[i], words, floats, launch.fingerprints, launch.stats
+            )
+    return out  # type: ignore[return-value]  # every pair is in exactly one launch
+
+
+def _to_host(tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tables on the CPU, read back with one wait per device.
+
+    NOTE: [one read-back] The host waits for a GPU's results once per call, after every group of
+    the call (each tolerance setting is one launch) has been queued: the GPU runs the launches
+    back to back, and the read-ahead's copy of the next batch, queued from a reader thread, runs
+    beside them (NOTE: [prefetch]). A wait per group would idle the GPU between groups.
+    """
+    out = list(tables)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tables):
+        if t.device.type != "cpu":
+            by_device.setdefault(t.device, []).append(k)
+    for ks in by_device.values():
+        host = torch.cat([tables[k] for k in ks]).cpu() if len(ks) > 1 else tables[ks[0]].cpu()
+        for k, part in zip(ks, host.split([tables[k].shape[0] for k in ks])):
+            out[k] = part
+    return out
+
+
+def diffs_from_rows(
+    tensors: Sequence[torch.Tensor],
+    boxes: Sequence[Box | None],
+    table: torch.Tensor,
+    *,
+    fingerprints: bool = True,
+    stats: bool = True,
+) -> list[TensorDiff]:
+    """The TensorDiffs of a table of ``compare`` rows (``ops.COLUMNS``), one per tensor.
+
+    For the rows of the testing operators (``ops.testing_rows``); ``compare`` decodes its own.
+    """
+    (host,) = _to_host([table])
+    return [
+        _to_diff(t, b, words, floats, fingerprints, stats)
+        for t, b, words, floats in zip(
+            tensors, boxes, host.tolist(), host.view(torch.float64).tolist()
+        )
+    ]
 
 
 def _check_boxes(boxes: Sequence[Box | None] | None, n: int, fn: str) -> list[Box | None]:
@@ -358,25 +474,6 @@ def _resolve_box(t: torch.Tensor, box: Box | None, i: int, fn: str) -> Box | Non
     if math.prod(box.shape) >= 1 << 63:
         raise ValueError(f"fsdpcheck.{fn}: boxes[{i}] has a global shape of 2**63 elements or more")
     return box
-
-
-def _flat_boxes(
-    tensors: list[torch.Tensor], boxes: list[Box | None]
-) -> tuple[list[int], list[int]]:
-    """Concatenated box shapes and offsets; empty lists when every tensor is whole."""
-    shapes: list[int] = []
-    offsets: list[int] = []
-    if all(b is None for b in boxes):
-        return shapes, offsets
-    for t, b in zip(tensors, boxes):
-        if b is None:
-            shapes.extend(t.shape)
-            offsets.extend([0] * t.dim())
-        else:
-            assert b.offset is not None
-            shapes.extend(b.shape)
-            offsets.extend(b.offset)
-    return shapes, offsets
 
 
 def _group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:

@@ -7,10 +7,12 @@ schemas are spelled out in one place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
 from fsdpcheck import _ext  # noqa: F401  (registers the operators)
+from fsdpcheck.box import Box
 
 #: Words per output row of ``compare`` (the layout of ``fsdpcheck::Partial`` in elementwise.h).
 ROW_WORDS = 14
@@ -34,6 +36,29 @@ COLUMNS = {
 FLOAT_COLUMNS = frozenset({8, 10, 12, 13})
 
 
+def flat_boxes(
+    tensors: Sequence[torch.Tensor], boxes: Sequence[Box | None]
+) -> tuple[list[int], list[int]]:
+    """The ``box_shapes`` and ``box_offsets`` arguments of the operators for these tensors.
+
+    One entry per dim of each tensor, concatenated (a tensor without a box is whole); both lists
+    empty when every tensor is whole.
+    """
+    shapes: list[int] = []
+    offsets: list[int] = []
+    if all(b is None for b in boxes):
+        return shapes, offsets
+    for t, b in zip(tensors, boxes):
+        if b is None:
+            shapes.extend(t.shape)
+            offsets.extend([0] * t.dim())
+        else:
+            assert b.offset is not None
+            shapes.extend(b.shape)
+            offsets.extend(b.offset)
+    return shapes, offsets
+
+
 def compare_rows(
     actual: Sequence[torch.Tensor],
     expected: Sequence[torch.Tensor],
@@ -47,6 +72,25 @@ def compare_rows(
 ) -> torch.Tensor:
     """Runs ``fsdpcheck::compare``: an int64 ``[len(actual), ROW_WORDS]`` table on their device."""
     return torch.ops.fsdpcheck.compare.default(
+        *_compare_args(
+            actual, expected, box_shapes, box_offsets, rtol, atol, equal_nan, fingerprints, stats
+        )
+    )
+
+
+def _compare_args(
+    actual: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    box_shapes: Sequence[int],
+    box_offsets: Sequence[int],
+    rtol: float,
+    atol: float,
+    equal_nan: bool,
+    fingerprints: bool,
+    stats: bool,
+) -> tuple[Any, ...]:
+    """The arguments of the compare schema, as the dispatcher takes them."""
+    return (
         list(actual),
         list(expected),
         list(box_shapes),
@@ -65,6 +109,45 @@ def fingerprint_rows(
     """Runs ``fsdpcheck::fingerprint``: int64 ``[len(tensors)]`` (uint64 bits) on their device."""
     return torch.ops.fsdpcheck.fingerprint.default(
         list(tensors), list(box_shapes), list(box_offsets)
+    )
+
+
+def testing_rows(
+    op: Literal["_reference", "_emulated"],
+    actual: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    box_shapes: Sequence[int],
+    box_offsets: Sequence[int],
+    rtol: float,
+    atol: float,
+    equal_nan: bool,
+    *,
+    fingerprints: bool = True,
+    stats: bool = True,
+    single: bool = False,
+) -> torch.Tensor:
+    """Runs a testing operator on CPU tensors: the rows of ``compare``, computed another way.
+
+    Args:
+        op: ``"_reference"``: element by element, through the CUDA kernels' per-element code.
+            ``"_emulated"``: the CUDA kernels themselves, run on the CPU by the emulator (slow:
+            meant for a few chunks per call).
+        actual: As for ``compare_rows``; so are the other arguments up to ``stats``.
+        expected: Ignored with ``single``.
+        box_shapes: Concatenated box shapes (``flat_boxes``).
+        box_offsets: Concatenated box offsets.
+        rtol: Relative tolerance.
+        atol: Absolute tolerance.
+        equal_nan: Whether NaN matches NaN.
+        fingerprints: Compute the fingerprints.
+        stats: Compute the statistics of ``actual``.
+        single: One tensor per row, the path of ``fingerprint``.
+    """
+    return getattr(torch.ops.fsdpcheck, op).default(
+        *_compare_args(
+            actual, expected, box_shapes, box_offsets, rtol, atol, equal_nan, fingerprints, stats
+        ),
+        bool(single),
     )
 
 

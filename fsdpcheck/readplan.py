@@ -54,9 +54,21 @@ class Arena:
         self.pin = pin
 
     def carve(
-        self, device: torch.device, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+        self,
+        device: torch.device,
+        specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        *,
+        fresh: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
-        """Uninitialised tensors of the given shapes and dtypes, valid until the next carve."""
+        """Uninitialised tensors of the given shapes and dtypes, valid until the next carve.
+
+        Args:
+            device: Where the tensors live.
+            specs: (shape, dtype) of each tensor.
+            fresh: Called right after a new buffer is allocated (a first carve, or one larger
+                than the buffer): its memory may be in use by work queued on the current stream
+                until then (NOTE: [stream order] in sources/prefetch.py).
+        """
         sizes = [dtype.itemsize * math.prod(shape) for shape, dtype in specs]
         total = sum(-(-n // self._ALIGN) * self._ALIGN for n in sizes)
         buf = self.buffers.get(device)
@@ -69,6 +81,8 @@ class Arena:
             else:
                 buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
             self.buffers[device] = buf
+            if fresh is not None:
+                fresh()
         out, off = [], 0
         for (shape, dtype), n in zip(specs, sizes):
             out.append(buf[off : off + n].view(dtype).view(shape))

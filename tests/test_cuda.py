@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpcheck
+from tests import backends
 from tests.cases import ALL_DTYPES, CHUNK, Case, assert_diff_matches, cases, make_values, perturb
+from tests.test_emulator import LAYOUTS, laid_out, planted
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -18,45 +20,13 @@ if not torch.cuda.is_available():
 pytestmark = pytest.mark.cuda
 
 
-def _exact(d: fsdpcheck.TensorDiff) -> tuple:
-    return (
-        d.numel,
-        d.mismatched,
-        d.nan_actual,
-        d.nan_expected,
-        d.inf_actual,
-        d.inf_expected,
-        d.max_abs_diff,
-        d.max_abs_index,
-        d.max_rel_diff,
-        d.max_rel_index,
-        d.fingerprint_actual,
-        d.fingerprint_expected,
-        d.zeros,
-    )
-
-
 def _both(cs: list[Case], **kw) -> tuple[list[fsdpcheck.TensorDiff], list[fsdpcheck.TensorDiff]]:
-    boxes = [c.box for c in cs]
-    cpu = fsdpcheck.compare([c.actual for c in cs], [c.expected for c in cs], boxes=boxes, **kw)
-    gpu = fsdpcheck.compare(
-        [_to_cuda_view(c.actual) for c in cs],
-        [_to_cuda_view(c.expected) for c in cs],
-        boxes=boxes,
-        **kw,
-    )
-    return cpu, gpu
-
-
-def _to_cuda_view(t: torch.Tensor) -> torch.Tensor:
-    """The same strided view, on the GPU (copies the underlying storage, keeps the strides)."""
-    numel = t.untyped_storage().nbytes() // t.element_size()
-    whole = torch.as_strided(t, (numel,), (1,), 0).cuda()
-    return whole.as_strided(t.shape, t.stride(), t.storage_offset())
+    args = ([c.actual for c in cs], [c.expected for c in cs], [c.box for c in cs])
+    return backends.compare("cpu", *args, **kw), backends.compare("cuda", *args, **kw)
 
 
 def _assert_same(cpu: fsdpcheck.TensorDiff, gpu: fsdpcheck.TensorDiff) -> None:
-    assert _exact(cpu) == _exact(gpu), f"cpu {cpu} vs cuda {gpu}"
+    backends.assert_agree({"cpu": [cpu], "cuda": [gpu]})
     if cpu.sum is not None:
         for x, y in ((cpu.sum, gpu.sum), (cpu.sumsq, gpu.sumsq)):
             assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-9, abs=1e-12)
@@ -90,6 +60,48 @@ def test_cuda_sizes_alignment_and_tails(dtype, n, misalign):
     _assert_same(cpu, gpu)
     assert_diff_matches(gpu, c.reference(), c.gshape, "cuda")
     assert fsdpcheck.fingerprint_tensor(a.cuda()[misalign:]) == cpu.fingerprint_actual
+
+
+# The emulator runs a block per chunk and per tensor on the CPU (~20 ms each): few examples.
+@settings(max_examples=15)
+@given(st.lists(cases(max_numel=2000), min_size=1, max_size=4))
+def test_cuda_rows_equal_the_emulators(cs: list[Case]):
+    args = ([c.actual for c in cs], [c.expected for c in cs], [c.box for c in cs])
+    backends.assert_agree({b: backends.compare(b, *args, rtol=1e-3) for b in backends.ALL})
+
+
+@pytest.mark.parametrize("how", LAYOUTS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_cuda_rows_equal_the_emulators_on_every_path(dtype, how):
+    a, e = planted(dtype, ALL_DTYPES.index(dtype))
+    la, le = laid_out(a, how), laid_out(e, how)
+    got = {b: backends.compare(b, [la], [le], rtol=1e-3) for b in ("emulated", "cuda")}
+    backends.assert_agree(got)
+    assert backends.fingerprints("cuda", [la]) == backends.fingerprints("emulated", [la])
+
+
+def test_cuda_misaligned_input_is_refused_before_launch():
+    class Raw:  # a CUDA buffer one byte past a float16 boundary (as DLPack can hand over)
+        def __init__(self, ptr: int) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (8,),
+                "typestr": "<f2",
+                "data": (ptr, False),
+                "version": 3,
+                "strides": None,
+            }
+
+    base = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    odd = torch.as_tensor(Raw(base.data_ptr() + 1), device="cuda")
+    ok = torch.zeros(8, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match=r"compare: expected\[1\] on cuda:0 starts at byte"):
+        fsdpcheck.compare([ok, ok], [ok, odd])
+    with pytest.raises(ValueError, match=r"fingerprint_tensors: tensors\[0\] on cuda:0"):
+        fsdpcheck.fingerprint_tensors([odd])
+    with pytest.raises(ValueError, match=r"fsdpcheck.compare: actual\[0\] starts at address"):
+        torch.ops.fsdpcheck.compare.default([odd], [ok], [], [], 0.0, 0.0, True, True, True)
+    torch.cuda.synchronize()  # the context survived: nothing was launched on the bad pointer
+    assert fsdpcheck.compare([ok], [ok.clone()])[0].ok
 
 
 def test_cuda_fingerprints_equal_cpu_for_every_dtype_and_box():

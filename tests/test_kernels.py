@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import decimal
 import itertools
 import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpcheck
-from fsdpcheck import kernels
-from tests import reference
+from tests import backends, reference
 from tests.cases import (
     ALL_DTYPES,
     CHUNK,
@@ -51,9 +51,11 @@ def test_golden_fingerprints(t, box, value):
     assert fsdpcheck.fingerprint_tensor(t, box=b) == value
     # The pure-numpy definition agrees (it is what the golden values were computed from).
     assert reference.fingerprint(t, *(box or (None, None))) == value
-    # compare reports the same fingerprint for both sides.
-    (d,) = fsdpcheck.compare([t], [t.clone()], boxes=[b])
-    assert d.fingerprint_actual == d.fingerprint_expected == value
+    # compare reports the same fingerprint for both sides, and so does every backend.
+    for backend in backends.ON_CPU:
+        (d,) = backends.compare(backend, [t], [t.clone()], [b])
+        assert d.fingerprint_actual == d.fingerprint_expected == value, backend
+        assert backends.fingerprints(backend, [t], [b]) == [value], backend
 
 
 def test_golden_rows_add_up():
@@ -67,27 +69,33 @@ def test_empty_fingerprint_is_zero():
 
 
 # ---------------------------------------------------------------------------------------------
-# Property tests: the fused op and the per-element (CUDA) path against the reference.
+# Property tests: every backend on the CPU (the fused op, the per-element path of the CUDA
+# kernels, the CUDA kernels on the emulator) against the reference and each other.
 # ---------------------------------------------------------------------------------------------
-def run_scalar_path(c: Case) -> fsdpcheck.TensorDiff:
-    """The rows computed through the CUDA kernels' per-element code, on the CPU."""
-    shapes, offsets = kernels._flat_boxes([c.actual], [c.box])
-    table = torch.ops.fsdpcheck._reference.default(
-        [c.actual], [c.expected], shapes, offsets, c.rtol, c.atol, c.equal_nan, True, True, False
-    )
-    words = table.tolist()[0]
-    floats = table.view(torch.float64).tolist()[0]
-    return kernels._to_diff(c.actual, c.box, words, floats, True, True)
+def on_every_backend(c: Case, **kw) -> None:
+    """Each CPU-side backend matches the float64 reference, and they agree bit for bit."""
+    ref = c.reference()
+    got = {
+        b: backends.compare(
+            b,
+            [c.actual],
+            [c.expected],
+            [c.box],
+            rtol=c.rtol,
+            atol=c.atol,
+            equal_nan=c.equal_nan,
+            **kw,
+        )
+        for b in backends.ON_CPU
+    }
+    for b, (d,) in got.items():
+        assert_diff_matches(d, ref, c.gshape, b)
+    backends.assert_agree(got)
 
 
 @given(cases())
 def test_compare_matches_reference(c: Case):
-    ref = c.reference()
-    (d,) = fsdpcheck.compare(
-        [c.actual], [c.expected], rtol=c.rtol, atol=c.atol, equal_nan=c.equal_nan, boxes=[c.box]
-    )
-    assert_diff_matches(d, ref, c.gshape, "compare")
-    assert_diff_matches(run_scalar_path(c), ref, c.gshape, "per-element path")
+    on_every_backend(c)
 
 
 @given(st.lists(cases(max_numel=600), min_size=1, max_size=12))
@@ -101,26 +109,20 @@ def test_many_pairs_in_one_call_equal_one_call_each(cs: list[Case]):
     )
     for c, d in zip(cs, together):
         (alone,) = fsdpcheck.compare([c.actual], [c.expected], boxes=[c.box], rtol=0.25)
-        assert _exact_fields(d) == _exact_fields(alone)
+        assert backends.exact(d) == backends.exact(alone)
         assert d.sum == alone.sum or (math.isnan(d.sum) and math.isnan(alone.sum))
 
 
-def _exact_fields(d: fsdpcheck.TensorDiff) -> tuple:
-    return (
-        d.numel,
-        d.mismatched,
-        d.nan_actual,
-        d.nan_expected,
-        d.inf_actual,
-        d.inf_expected,
-        d.max_abs_diff,
-        d.max_abs_index,
-        d.max_rel_diff,
-        d.max_rel_index,
-        d.fingerprint_actual,
-        d.fingerprint_expected,
-        d.zeros,
-    )
+# The emulator runs a block per chunk and per tensor (~20 ms each): fewer, smaller lists.
+@settings(max_examples=12)
+@given(st.lists(cases(max_numel=600), min_size=1, max_size=8))
+def test_many_pairs_in_one_launch_on_every_backend(cs: list[Case]):
+    args = ([c.actual for c in cs], [c.expected for c in cs], [c.box for c in cs])
+    got = {b: backends.compare(b, *args, rtol=0.25, atol=1e-5) for b in backends.ON_CPU}
+    backends.assert_agree(got)
+    for c, d in zip(cs, got["emulated"]):
+        ref = Case(c.actual, c.expected, c.box, 0.25, 1e-5, True).reference()
+        assert_diff_matches(d, ref, c.gshape, "emulated")
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -136,11 +138,7 @@ def test_chunk_boundaries(dtype, n):
         e[CHUNK - 1] = 100 if dtype in FLOAT_DTYPES[:4] or dtype == torch.int64 else 7
         a[CHUNK] = 0
         e[CHUNK] = e[CHUNK - 1]
-    c = Case(a, e, None, 0.0, 0.0, True)
-    ref = c.reference()
-    (d,) = fsdpcheck.compare([a], [e])
-    assert_diff_matches(d, ref, c.gshape)
-    assert_diff_matches(run_scalar_path(c), ref, c.gshape)
+    on_every_backend(Case(a, e, None, 0.0, 0.0, True))
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -151,9 +149,7 @@ def test_every_dtype_with_box_and_strides(dtype):
     # A Shard(1)-like column block of the full tensor, read in place (non-contiguous).
     box = fsdpcheck.Box((37, 1030), (0, 515))
     a, e = full_a[:, 515:].contiguous(), full_e[:, 515:]
-    c = Case(a, e, box, 0.0, 0.0, True)
-    (d,) = fsdpcheck.compare([a], [e], boxes=[box])
-    assert_diff_matches(d, c.reference(), c.gshape)
+    on_every_backend(Case(a, e, box, 0.0, 0.0, True))
 
 
 def _misaligned_copy(t: torch.Tensor, shift: int) -> torch.Tensor:
@@ -200,10 +196,11 @@ def test_misaligned_inputs(dtype, n):
             assert fsdpcheck.fingerprint_tensors([col_ma], boxes=[box]) == [
                 reference.fingerprint(col_a.contiguous(), (n // 2, 2), (0, 1))
             ]
-        c = Case(ma, me, None, 1e-3, 0.0, True)
-        assert_diff_matches(
-            run_scalar_path(c), Case(a, e, None, 1e-3, 0.0, True).reference(), c.gshape
-        )
+        (d,) = backends.compare("reference", [ma], [me], rtol=1e-3)
+        assert_diff_matches(d, Case(a, e, None, 1e-3, 0.0, True).reference(), (n,))
+        # The CUDA kernels read whole elements: their path refuses the input before launch.
+        with pytest.raises(ValueError, match=r"_emulated: actual\[0\] starts at address 0x"):
+            backends.compare("emulated", [ma], [e])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +318,72 @@ def test_tolerance_boundary_is_inclusive():
     a = torch.tensor([1.5, 1.5000001], dtype=torch.float64)
     (d,) = fsdpcheck.compare([a], [e], rtol=0.25, atol=0.25)
     assert d.mismatched == 1
+
+
+@pytest.mark.parametrize("backend", backends.ALL)
+def test_tolerance_rounds_twice_on_every_backend(backend):
+    # |4 - 3| = 1 against 0.1 + 0.3 * 3: 0.9999999999999999 when the product and the sum are
+    # rounded apart (a mismatch), 1.0 when fused into one multiply-add (a match). Every backend
+    # must round twice, as Python does.
+    assert not (abs(4.0 - 3.0) <= 0.1 + 0.3 * 3.0)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.int64):
+        a, e = torch.tensor([4, 4], dtype=dtype), torch.tensor([3, 4], dtype=dtype)
+        (d,) = backends.compare(backend, [a], [e], rtol=0.3, atol=0.1)
+        assert (d.mismatched, d.max_abs_index, d.max_abs_diff) == (1, (0,), 1.0), dtype
+
+
+def _fused_bound(atol: float, rtol: float, mag: float) -> float:
+    """atol + rtol * mag rounded once, as a fused multiply-add computes it."""
+    with decimal.localcontext(prec=1000):
+        return float(decimal.Decimal(atol) + decimal.Decimal(rtol) * decimal.Decimal(mag))
+
+
+@st.composite
+def on_the_tolerance_boundary(draw) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Integer-valued pairs and tolerances that put pair 0 (|a - e| = d) on the boundary.
+
+    ``midpoint``: atol + fl(rtol * |e|) is exactly the midpoint between d and the float64 below
+    it, so the twice-rounded bound ties (to even) while the fused one falls to the side of the
+    product's rounding error: where they differ, only non-fused arithmetic gives the answer
+    Python gives. ``exact``: atol = fl(d - fl(rtol * |e|)); ``below``/``above``: one step off.
+    """
+    dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]))
+    top = {torch.float16: 2**11, torch.bfloat16: 2**8}.get(dtype, 2**24)  # exact integers
+    pairs = draw(
+        st.lists(st.tuples(st.integers(1, top // 2), st.integers(-64, 64)), min_size=1, max_size=8)
+    )
+    sign = draw(st.sampled_from([1, -1]))
+    e = torch.tensor([sign * x for x, _ in pairs], dtype=dtype)
+    a = torch.tensor([sign * x + k for x, k in pairs], dtype=dtype)
+    d, mag = abs(float(a[0]) - float(e[0])), abs(float(e[0]))
+    # A product below d, so that atol >= 0.
+    rtol = draw(st.floats(0.05, 0.999)) * d / mag if d > 0 else draw(st.floats(0.0, 1.0))
+    product = rtol * mag
+    how = draw(st.sampled_from(["midpoint", "midpoint", "exact", "below", "above"]))
+    if how == "midpoint" and d > 0:
+        with decimal.localcontext(prec=1000):
+            below = decimal.Decimal(math.nextafter(d, 0.0))
+            mid = (decimal.Decimal(d) + below) / 2
+            atol = float(mid - decimal.Decimal(product))  # exact: mid and product are close
+    else:
+        atol = d - product
+        if how != "exact":
+            atol = math.nextafter(atol, -math.inf if how == "below" else math.inf)
+    return a, e, rtol, max(atol, 0.0)
+
+
+@given(on_the_tolerance_boundary())
+def test_tolerance_boundaries_decided_alike_on_every_backend(case):
+    a, e, rtol, atol = case
+    # Python's float arithmetic rounds after each operation: the decision every backend owes.
+    want = sum(
+        not (abs(x - y) <= atol + rtol * abs(y))
+        for x, y in zip(a.double().tolist(), e.double().tolist())
+    )
+    got = {b: backends.compare(b, [a], [e], rtol=rtol, atol=atol) for b in backends.ALL}
+    for b, (d,) in got.items():
+        assert d.mismatched == want, b
+    backends.assert_agree(got)
 
 
 def test_mixed_dtypes_compare_values():

@@ -2,8 +2,8 @@
 
 Raw DCP chunks (byte ranges straight into the destination) against the safe reader (torch.load
 weights_only of each blob); safetensors compared in place from the mapping against get_slice;
-torch.save views; blocks and batches cut by tiny memory budgets; the prefetch pipeline's order,
-errors and (with a stand-in CUDA module) its stream/event protocol.
+torch.save views; blocks and batches cut by tiny memory budgets; the prefetch pipeline's order
+and errors (its stream/event protocol: tests/test_prefetch.py).
 """
 
 from __future__ import annotations
@@ -495,94 +495,6 @@ def test_prefetcher_raises_at_the_failing_batch() -> None:
         for tag, _ in Prefetcher(CPU).run(plan):
             seen.append(tag)
     assert seen == [0, 1, 2]
-
-
-class _FakeCuda:
-    """A stand-in for torch.cuda that records the stream/event protocol (on CPU tensors)."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, Any]] = []
-        fake = self
-
-        class Event:
-            def __init__(self) -> None:
-                self.id = len(fake.log)
-                self.recorded_on: Any = None
-
-            def record(self, stream: Any) -> None:
-                self.recorded_on = stream
-                fake.log.append(("record", (self.id, stream.name)))
-
-            def synchronize(self) -> None:
-                fake.log.append(("sync", self.id))
-
-        class Stream:
-            def __init__(self, device: Any = None, name: str = "side") -> None:
-                self.name = name
-
-            def wait_event(self, ev: Any) -> None:
-                fake.log.append(("wait", (self.name, ev.id)))
-
-        self.Event, self.Stream = Event, Stream
-        self.main = Stream(name="main")
-        self.current: Any = self.main
-
-    def stream(self, s: Any) -> Any:
-        fake = self
-
-        class Ctx:
-            def __enter__(self) -> None:
-                fake.current = s
-                fake.log.append(("enter", s.name))
-
-            def __exit__(self, *a: Any) -> None:
-                fake.current = fake.main
-                fake.log.append(("exit", s.name))
-
-        return Ctx()
-
-    def current_stream(self, device: Any = None) -> Any:
-        return self.current
-
-
-def test_prefetcher_device_stage_protocol_with_a_stand_in_cuda() -> None:
-    """Copies on the side stream, the main stream waits on them, arenas reused after events.
-
-    This machine has no GPU: the stand-in records the protocol; tensors stay on the CPU.
-    """
-    fake = _FakeCuda()
-    values = {f"k{i}": torch.full((16,), float(i)) for i in range(4)}
-    src = _Recorder(values)
-    pf = Prefetcher(CPU, cuda=fake)
-    # Force the staged path on a CPU "device".
-    from fsdpcheck.sources import prefetch
-
-    pf._stage = prefetch._DeviceStage(CPU, fake)
-    plan = ((i, [(src, [Region(f"k{i}", (0,), (16,))])]) for i in range(4))
-    got = []
-    for tag, ((t,),) in pf.run(plan):
-        assert torch.equal(t, values[f"k{tag}"])
-        got.append(tag)
-        fake.log.append(("kernel", tag))
-    assert got == [0, 1, 2, 3]
-    log = fake.log
-    kinds = [k for k, _ in log]
-    # Every batch: copy inside the side stream, its event recorded there, main waits on it.
-    assert kinds.count("enter") == 4
-    for i, (k, _) in enumerate(log):
-        if k == "enter":
-            assert log[i + 1][0] == "record" and log[i + 1][1][1] == "side"
-            assert log[i + 2] == ("exit", "side")
-            assert log[i + 3] == ("wait", ("main", log[i + 1][1][0]))
-    # Batch k's kernel happens before the "consumed" event that batch k+2's copy waits for, and
-    # the host arena of batch k is synchronised (its copy done) before batch k+2 is read into it.
-    consumed = [v[0] for k, v in log if k == "record" and v[1] == "main"]
-    side_waits = [v[1] for k, v in log if k == "wait" and v[0] == "side"]
-    assert side_waits == consumed[: len(side_waits)] and len(side_waits) == 2
-    assert kinds.count("sync") == 2
-    kernel_at = {v: i for i, (k, v) in enumerate(log) if k == "kernel"}
-    first_main_record = next(i for i, (k, v) in enumerate(log) if k == "record" and v[1] == "main")
-    assert kernel_at[0] < first_main_record
 
 
 def test_fingerprint_of_boxes_adds_up_in_batches(sharded: Path) -> None:

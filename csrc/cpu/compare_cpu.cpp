@@ -22,6 +22,7 @@
 
 #include "fsdpcheck/elementwise.h"
 #include "fsdpcheck/plan.h"
+#include "fsdpcheck/scalar.h"
 
 // NOTE: [SIMD dispatch] The hot loops are compiled three times (AVX-512, AVX2, baseline) and the
 // loader picks one at run time (GCC ifuncs: target_clones for loops written once, and target
@@ -334,6 +335,17 @@ FSDPCHECK_INLINE const char* block(B* buf, const char* src, int64_t stride, int6
   return reinterpret_cast<const char*>(buf);
 }
 
+// A block's NaN and Inf counts of each side and the statistics of `actual`, added to acc.
+FSDPCHECK_INLINE void add_block(Partial& acc, const simd::BlockStats& a, const simd::BlockStats& e) {
+  acc.nan_a += a.nan;
+  acc.nan_e += e.nan;
+  acc.inf_a += a.inf;
+  acc.inf_e += e.inf;
+  acc.zeros += a.zeros;
+  acc.sum += a.sum;
+  acc.sumsq += a.sumsq;
+}
+
 // A run: n elements along the innermost coalesced dim, global indices g, g + gstep, ...
 struct Run {
   int64_t n;
@@ -363,13 +375,7 @@ void run_pair_same(const char* a, int64_t sa, const char* e, int64_t se, const R
         acc.fp_e += h;
       }
       const simd::BlockStats s = simd::stats<D>(pa, m, o.stats);
-      acc.nan_a += s.nan;
-      acc.nan_e += s.nan;
-      acc.inf_a += s.inf;
-      acc.inf_e += s.inf;
-      acc.zeros += s.zeros;
-      acc.sum += s.sum;
-      acc.sumsq += s.sumsq;
+      add_block(acc, s, s);
       if (!o.cmp.equal_nan) acc.mismatched += s.nan;
       // Elements arrive in increasing global index, so only the first difference can matter.
       if (acc.max_abs_idx < 0 && s.nan < m) {
@@ -386,13 +392,7 @@ void run_pair_same(const char* a, int64_t sa, const char* e, int64_t se, const R
     }
     const simd::BlockStats s_a = simd::stats<D>(pa, m, o.stats);
     const simd::BlockStats s_e = simd::stats<D>(pe, m, false);
-    acc.nan_a += s_a.nan;
-    acc.nan_e += s_e.nan;
-    acc.inf_a += s_a.inf;
-    acc.inf_e += s_e.inf;
-    acc.zeros += s_a.zeros;
-    acc.sum += s_a.sum;
-    acc.sumsq += s_a.sumsq;
+    add_block(acc, s_a, s_e);
     for (int j = 0; j < m; ++j) {
       const ElementResult r = compare_values(decode<D>(load_as<B>(pa + j * sizeof(B))),
                                              decode<D>(load_as<B>(pe + j * sizeof(B))), o.cmp);
@@ -418,12 +418,7 @@ void run_single(const char* a, int64_t sa, const Run& run, const Options& o, Par
                                 kstep);
     }
     if (!o.counts && !o.stats) continue;  // a fingerprint only
-    const simd::BlockStats s = simd::stats<D>(pa, m, o.stats);
-    acc.nan_a += s.nan;
-    acc.inf_a += s.inf;
-    acc.zeros += s.zeros;
-    acc.sum += s.sum;
-    acc.sumsq += s.sumsq;
+    add_block(acc, simd::stats<D>(pa, m, o.stats), simd::BlockStats{});
   }
 }
 
@@ -454,35 +449,6 @@ void for_each_run(const TensorPlan& p, int64_t l0, int64_t l1, Fn&& fn) {
       ++idx[d - 1];
     }
   }
-}
-
-// The scalar path: every element through the same header functions the CUDA kernels call
-// (chunk_start, locate_in_chunk, accumulate_element, accumulate_mixed). Exposed as fsdpcheck::_reference so that the
-// CPU tests exercise the CUDA kernels' per-element code even where no GPU is present.
-void process_chunk_scalar(const TensorPlan& p, int64_t c, const Options& o, Partial& out) {
-  partial_init(out);
-  const int64_t l0 = c * kChunk;
-  const int64_t l1 = std::min(l0 + kChunk, p.numel);
-  const ChunkStart start = chunk_start(p, l0);
-  if (p.e != nullptr && p.dtype_a != p.dtype_e) {
-    for (int64_t l = l0; l < l1; ++l) accumulate_mixed(out, p, locate_in_chunk(p, start, l - l0), o);
-    return;
-  }
-  visit_dtype(p.dtype_a, [&](auto tag) {
-    constexpr DType D = decltype(tag)::value;
-    using B = typename Traits<D>::Bits;
-    constexpr int64_t kSize = sizeof(B);
-    for (int64_t l = l0; l < l1; ++l) {
-      const Location loc = locate_in_chunk(p, start, l - l0);
-      const uint64_t key = hash_key(static_cast<uint64_t>(loc.g));
-      const B ba = load_as<B>(p.a + loc.off_a * kSize);
-      if (p.e == nullptr) {
-        accumulate_element<D, false>(out, ba, B{0}, loc.g, key, o);
-      } else {
-        accumulate_element<D, true>(out, ba, load_as<B>(p.e + loc.off_e * kSize), loc.g, key, o);
-      }
-    }
-  });
 }
 
 void process_chunk(const TensorPlan& p, int64_t c, const Options& o, Partial& out) {
@@ -571,11 +537,6 @@ std::vector<Partial> run_plans(const std::vector<TensorPlan>& plans, const Optio
     }
   }
   return out;
-}
-
-void check_tolerances(double rtol, double atol) {
-  TORCH_CHECK_VALUE(rtol >= 0.0 && atol >= 0.0, "fsdpcheck.compare: rtol and atol must be "
-                    "non-negative numbers, got rtol=", rtol, ", atol=", atol);
 }
 
 at::Tensor rows_to_tensor(const std::vector<Partial>& rows) {

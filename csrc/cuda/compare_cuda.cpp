@@ -10,7 +10,6 @@
 #include <torch/library.h>
 
 #include <cstring>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -32,31 +31,12 @@ Outputs run(const char* op, at::TensorList actual, const at::TensorList* expecte
   TORCH_CHECK_VALUE(device.is_cuda(), "fsdpcheck.", op, ": the CUDA implementation got tensors on ",
                     device);
   const std::vector<TensorPlan> plans = make_plans(op, actual, expected, box_shapes, box_offsets);
+  const std::vector<int64_t> meta = plan_launch(op, plans);
+  const int64_t n = static_cast<int64_t>(plans.size());
+  const int64_t total_chunks = meta[n];
+
   const c10::cuda::OptionalCUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-
-  const int64_t n = static_cast<int64_t>(plans.size());
-  std::vector<int64_t> meta(static_cast<size_t>(2 * n + 1), 0);
-  for (int64_t t = 0; t < n; ++t) {
-    meta[t + 1] = meta[t] + plan_chunks(plans[t]);
-  }
-  const int64_t total_chunks = meta[n];
-  TORCH_CHECK_VALUE(total_chunks <= std::numeric_limits<int32_t>::max(), "fsdpcheck.", op,
-                    ": ", total_chunks, " chunks exceed one launch; split the call");
-  for (int64_t t = 0; t < n; ++t) {
-    const TensorPlan& p = plans[t];
-    meta[n + 1 + t] = static_cast<int64_t>(meta.size());
-    meta.push_back(reinterpret_cast<int64_t>(p.a));
-    meta.push_back(reinterpret_cast<int64_t>(p.e));
-    meta.push_back(p.numel);
-    meta.push_back(p.gbase);
-    meta.push_back(static_cast<int64_t>(p.dtype_a) | (static_cast<int64_t>(p.dtype_e) << 8) |
-                   (static_cast<int64_t>(p.ndim) << 16));
-    for (const int64_t* field : {p.size, p.stride_a, p.stride_e, p.gstride}) {
-      meta.insert(meta.end(), field, field + p.ndim);
-    }
-  }
-
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor host = at::empty({static_cast<int64_t>(meta.size())}, long_opts.pinned_memory(true));
   std::memcpy(host.mutable_data_ptr<int64_t>(), meta.data(), meta.size() * sizeof(int64_t));
@@ -87,8 +67,7 @@ Outputs run(const char* op, at::TensorList actual, const at::TensorList* expecte
 at::Tensor compare_cuda(at::TensorList actual, at::TensorList expected,
                         at::IntArrayRef box_shapes, at::IntArrayRef box_offsets, double rtol,
                         double atol, bool equal_nan, bool fingerprints, bool stats) {
-  TORCH_CHECK_VALUE(rtol >= 0.0 && atol >= 0.0, "fsdpcheck.compare: rtol and atol must be "
-                    "non-negative numbers, got rtol=", rtol, ", atol=", atol);
+  check_tolerances(rtol, atol);
   const Options o{CompareParams{rtol, atol, equal_nan}, fingerprints, stats};
   return run("compare", actual, &expected, box_shapes, box_offsets, o, /*want_rows=*/true).rows;
 }

@@ -1,12 +1,15 @@
-// The boundary between the host code (compare_cuda.cpp, compiled by the C++ compiler with ATen)
-// and the kernels (compare_kernels.cu, compiled by nvcc with nothing but this project's headers).
+// The boundary between the host code of the CUDA implementation (compare_cuda.cpp, compiled by the
+// C++ compiler with ATen) and the kernels (compare_kernels.h, compiled by nvcc in
+// compare_kernels.cu, and by the C++ compiler for the emulator in csrc/emulator). Free of CUDA
+// and torch headers: the emulator and its self-test include it too.
 #pragma once
 
-#include <cuda_runtime_api.h>
-
 #include <cstdint>
+#include <vector>
 
 #include "fsdpcheck/elementwise.h"
+
+struct CUstream_st;  // cudaStream_t is a CUstream_st*
 
 namespace fsdpcheck::cuda {
 
@@ -17,6 +20,9 @@ namespace fsdpcheck::cuda {
 // It is built on the host, copied once (pinned, async, on the current stream), and each block
 // loads its tensor's record into shared memory.
 constexpr int kRecordHeader = 5;  // a, e, numel, gbase, dtype_a | dtype_e << 8 | ndim << 16
+
+// The metadata buffer of `plans` (NOTE: [device metadata]); its word n is the number of chunks.
+std::vector<int64_t> pack_metadata(const std::vector<TensorPlan>& plans);
 
 struct LaunchArgs {
   const int64_t* meta;     // device
@@ -30,6 +36,6 @@ struct LaunchArgs {
 };
 
 // Launches the chunk kernel and the finishing kernel on `stream`; checks each launch.
-void launch_compare(const LaunchArgs& args, cudaStream_t stream);
+void launch_compare(const LaunchArgs& args, CUstream_st* stream);
 
 }  // namespace fsdpcheck::cuda

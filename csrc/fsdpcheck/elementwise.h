@@ -344,6 +344,28 @@ struct ElementResult {
 FSDPCHECK_HD double f64_inf() { return bits_to_f64(0x7FF0000000000000ULL); }
 FSDPCHECK_HD double f64_abs(double x) { return x < 0 ? -x : x; }
 
+// NOTE: [no contraction] `atol + rtol * |e|` rounded once (a fused multiply-add) or twice (a
+// multiply, then an add) can differ in the last bit, and so can the decision: |4 - 3| against
+// 0.1 + 0.3 * 3 is a mismatch rounded twice (0.9999999999999999) and a match fused (1.0). nvcc
+// fuses by default, g++ does on aarch64 and on x86-64 wherever FMA instructions are enabled.
+// So device code multiplies and adds with the round-to-nearest intrinsics, which are never
+// fused, and host code is compiled with -ffp-contract=off (CMakeLists.txt): every backend and
+// compiler rounds twice.
+FSDPCHECK_HD double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FSDPCHECK_HD double add_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 // NOTE: [mismatch rule] Mismatch is NOT (|a - e| <= atol + rtol * |e|), in float64, with:
 //   - NaN on exactly one side: mismatch; NaN on both: a match iff equal_nan. No differences.
 //   - equal values (including equal infinities and 0.0 vs -0.0): a match, both differences 0.
@@ -380,7 +402,7 @@ FSDPCHECK_HD ElementResult compare_values(const Value& a, const Value& e, const 
   }
   r.abs_diff = a.inf || e.inf ? f64_inf() : diff;
   r.rel_diff = (mag == 0.0 || e.inf) ? f64_inf() : r.abs_diff / mag;
-  r.mismatch = a.inf || e.inf || !(r.abs_diff <= p.atol + p.rtol * mag);
+  r.mismatch = a.inf || e.inf || !(r.abs_diff <= add_rn(p.atol, mul_rn(p.rtol, mag)));
   return r;
 }
 
@@ -441,6 +463,13 @@ FSDPCHECK_HD void partial_combine(Partial& x, const Partial& y) {
   x.sumsq += y.sumsq;
 }
 
+// The statistics of `actual` (zeros, sum, sum of squares) gain one element of value f.
+FSDPCHECK_HD void accumulate_stats(Partial& acc, double f) {
+  acc.zeros += f == 0.0;
+  acc.sum = add_rn(acc.sum, f);
+  acc.sumsq = add_rn(acc.sumsq, mul_rn(f, f));
+}
+
 struct Options {
   CompareParams cmp;
   bool fingerprints;
@@ -462,11 +491,7 @@ FSDPCHECK_HD void accumulate_pair(Partial& acc, const Value& a, const Value& e, 
   acc.nan_e += e.nan;
   acc.inf_a += a.inf;
   acc.inf_e += e.inf;
-  if (o.stats) {
-    acc.zeros += a.f == 0.0;
-    acc.sum += a.f;
-    acc.sumsq += a.f * a.f;
-  }
+  if (o.stats) accumulate_stats(acc, a.f);
   const ElementResult r = compare_values(a, e, o.cmp);
   acc.mismatched += r.mismatch;
   if (r.has_diff) {
@@ -481,11 +506,7 @@ FSDPCHECK_HD void accumulate_single(Partial& acc, const Value& a, uint64_t bits_
   if (o.fingerprints) acc.fp_a += hash_bits(key, bits_a, size_a);
   acc.nan_a += a.nan;
   acc.inf_a += a.inf;
-  if (o.stats) {
-    acc.zeros += a.f == 0.0;
-    acc.sum += a.f;
-    acc.sumsq += a.f * a.f;
-  }
+  if (o.stats) accumulate_stats(acc, a.f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -611,12 +632,7 @@ FSDPCHECK_HD void accumulate_equal(Partial& acc, typename Traits<D>::Bits b, int
     take_max(acc.max_abs, acc.max_abs_idx, 0.0, g);
     take_max(acc.max_rel, acc.max_rel_idx, 0.0, g);
   }
-  if (o.stats) {
-    const double f = T::to_f64(b);
-    acc.zeros += f == 0.0;
-    acc.sum += f;
-    acc.sumsq += f * f;
-  }
+  if (o.stats) accumulate_stats(acc, T::to_f64(b));
 }
 
 // One element of a same-dtype input (pair, or single when !kHasE): the per-element path of the

@@ -2,10 +2,13 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <limits>
 #include <mutex>
 #include <sstream>
 #include <utility>
+
+#include "cuda/launch.h"
 
 namespace fsdpcheck {
 namespace {
@@ -173,6 +176,35 @@ std::vector<TensorPlan> make_plans(const char* op, c10::ArrayRef<at::Tensor> act
     p.ndim = k;
   }
   return plans;
+}
+
+void check_tolerances(double rtol, double atol) {
+  TORCH_CHECK_VALUE(rtol >= 0.0 && atol >= 0.0, "fsdpcheck.compare: rtol and atol must be "
+                    "non-negative numbers, got rtol=", rtol, ", atol=", atol);
+}
+
+std::vector<int64_t> plan_launch(const char* op, const std::vector<TensorPlan>& plans) {
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const TensorPlan& p = plans[i];
+    if (p.numel == 0) continue;
+    const std::pair<const char*, const char*> sides[] = {{"actual", p.a}, {"expected", p.e}};
+    const DType dtypes[] = {p.dtype_a, p.dtype_e};
+    for (int s = 0; s < 2; ++s) {
+      const auto [side, ptr] = sides[s];
+      if (ptr == nullptr) continue;
+      const int size = dtype_size(dtypes[s]);
+      TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(size) == 0,
+                        "fsdpcheck.", op, ": ", side, "[", i, "] starts at address ",
+                        static_cast<const void*>(ptr), ", not a multiple of its element size (",
+                        size, " bytes), which the CUDA kernels cannot read; pass a copy "
+                        "(tensor.clone())");
+    }
+  }
+  std::vector<int64_t> meta = cuda::pack_metadata(plans);
+  const int64_t total_chunks = meta[plans.size()];
+  TORCH_CHECK_VALUE(total_chunks <= std::numeric_limits<int32_t>::max(), "fsdpcheck.", op,
+                    ": ", total_chunks, " chunks exceed one launch; split the call");
+  return meta;
 }
 
 namespace {

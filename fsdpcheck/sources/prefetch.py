@@ -11,11 +11,21 @@ fall behind, batches k+1 and k+2 are read at once). Batch 1 is started once batc
 that the first read, which nothing overlaps, has the readers to itself. Each batch should hold
 at most half the memory budget.
 
-With a CUDA device the host arenas are page-locked and each batch is copied to one of two
-device arenas on a side stream; the caller's stream waits for that copy (an event), not the
-host, so the copy of batch k+1 overlaps the kernel on batch k. A device arena is written again
-only after the kernel that read it (an event recorded on the caller's stream when it asked for
-the next batch), and a host arena only after its copy to the device finished.
+With a CUDA device the host arenas are page-locked and each part of a batch is copied to one of
+two device arenas on a side stream, queued by the reader thread that read it as soon as it is
+read: the copy of batch k+1 runs while the caller's kernels on batch k do (the caller's host waits
+once per batch for results, NOTE: [one read-back] in kernels.py, and queues nothing meanwhile).
+The caller's stream waits for those copies (events), not the host. A host arena is written again
+only after its copy to the device finished.
+
+NOTE: [stream order] The side stream writes device memory that the caller's stream allocated, so
+it must be ordered after the caller's work on that memory. Two waits do it, both queued on the
+side stream by the caller's thread before the copies into the arena: (1) the kernels that read
+the arena's previous batch (an event recorded on the caller's stream when it asked for the next
+batch); (2) when the arena is (re)allocated, everything queued on the caller's stream until then.
+The caching allocator hands a stream memory freed by that stream's queued kernels at once (safe
+for work on that stream alone): after `opt.step()`, a new arena may be memory the optimizer's
+kernels still use, and an unordered copy would corrupt the update or the comparison, silently.
 """
 
 from __future__ import annotations
@@ -54,14 +64,17 @@ class Prefetcher:
     Args:
         device: Where the caller's kernel runs; tensors are handed over there.
         workers: Reader threads (a batch's parts are read in parallel).
-        cuda: The CUDA module to use (tests pass a stand-in; default ``torch.cuda``).
+        cuda: The CUDA module to use (default ``torch.cuda`` for a CUDA device). Tests pass a
+            stand-in that records the stream protocol: batches are then staged through it on
+            any device.
     """
 
     def __init__(self, device: torch.device, *, workers: int = 2, cuda: Any = None) -> None:
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self._host = [Arena(pin=on_gpu and cuda is None), Arena(pin=on_gpu and cuda is None)]
-        self._stage = _DeviceStage(self.device, cuda or torch.cuda) if on_gpu else None
+        staged = on_gpu or cuda is not None
+        self._stage = _DeviceStage(self.device, cuda or torch.cuda) if staged else None
         self._workers = workers
 
     def run(
@@ -95,7 +108,7 @@ class Prefetcher:
                     if nxt is not None:
                         pending.append(self._submit(pool, nxt, 1))
                 if self._stage is not None:
-                    parts = self._stage.to_device(parts, s)
+                    self._stage.hand_over(s)
                 yield tag, parts
                 if self._stage is not None:
                     self._stage.release(s)
@@ -113,18 +126,22 @@ class Prefetcher:
         self, pool: ThreadPoolExecutor, batch: tuple[Any, Sequence[Part]], slot: int
     ) -> tuple[Any, int, list[Future[list[torch.Tensor]]]]:
         tag, parts = batch
-        if self._stage is not None:
-            self._stage.host_free(slot)
         specs = [
             (tuple(r.size), _dtype(src, r)) for src, regions in parts for r in regions
         ]  # one carve for the whole batch, split per part
+        stage = self._stage
+        if stage is not None:
+            stage.host_free(slot)
         outs = self._host[slot].carve(torch.device("cpu"), specs)
+        dev = stage.prepare(slot, specs) if stage is not None else outs
         futures = []
         k = 0
         for src, regions in parts:
-            mine = outs[k : k + len(regions)]
-            k += len(regions)
-            futures.append(pool.submit(_read, src, list(regions), mine, self._stage is not None))
+            n = len(regions)
+            futures.append(
+                pool.submit(_read, src, list(regions), outs[k : k + n], stage, slot, dev[k : k + n])
+            )
+            k += n
         return tag, slot, futures
 
 
@@ -135,49 +152,77 @@ def _dtype(source: Source, region: Region) -> torch.dtype:
 
 
 def _read(
-    source: Source, regions: list[Region], out: list[torch.Tensor], staged: bool
+    source: Source,
+    regions: list[Region],
+    out: list[torch.Tensor],
+    stage: _DeviceStage | None,
+    slot: int,
+    dev: list[torch.Tensor],
 ) -> list[torch.Tensor]:
+    """Reads a part of a batch on a reader thread; staged, also queues its copy to the device."""
     got = source.read(regions, torch.device("cpu"), out)
-    if staged:
-        # Copies to the GPU go from page-locked memory: a view of a mapped file (the source
-        # returned data where it lies) is first copied into this batch's pinned arena.
-        got = [o if t.data_ptr() == o.data_ptr() else o.copy_(t) for t, o in zip(got, out)]
-    return got
+    if stage is None:
+        return got
+    # Copies to the GPU go from page-locked memory: a view of a mapped file (the source returned
+    # data where it lies) is first copied into this batch's pinned arena.
+    got = [o if t.data_ptr() == o.data_ptr() else o.copy_(t) for t, o in zip(got, out)]
+    stage.copy(slot, got, dev)
+    return dev
 
 
 class _DeviceStage:
-    """Host arena -> device arena copies on a side stream, ordered by events (two slots)."""
+    """Host arena -> device arena copies on a side stream, ordered by events (two slots).
+
+    The caller's thread calls ``host_free``, ``prepare``, ``hand_over`` and ``release``; reader
+    threads call ``copy`` (NOTE: [stream order]).
+    """
 
     def __init__(self, device: torch.device, cuda: Any) -> None:
         self.device, self.cuda = device, cuda
         self.stream = cuda.Stream(device=device)
         self.arenas = [Arena(), Arena()]
-        self.copied: list[Any] = [None, None]  # event: the host arena's copy has finished
-        self.consumed: list[Any] = [None, None]  # event: the kernel reading the device arena
+        # Per slot, an event per part: its copy has finished. Appended by the reader threads of
+        # the slot's batch (list.append is atomic), read by the caller's thread once that
+        # batch's reads are done.
+        self.copied: list[list[Any]] = [[], []]
+        self.consumed: list[Any] = [None, None]  # event: the kernels reading the device arena
 
     def host_free(self, slot: int) -> None:
-        """Blocks until the host arena `slot` may be overwritten (its copy has finished)."""
-        if self.copied[slot] is not None:
-            self.copied[slot].synchronize()
-            self.copied[slot] = None
+        """Blocks until the host arena `slot` may be overwritten (its copies have finished)."""
+        for ev in self.copied[slot]:
+            ev.synchronize()
+        self.copied[slot] = []
 
-    def to_device(self, parts: list[list[torch.Tensor]], slot: int) -> list[list[torch.Tensor]]:
-        flat = [t for p in parts for t in p]
-        dev = self.arenas[slot].carve(self.device, [(tuple(t.shape), t.dtype) for t in flat])
+    def prepare(
+        self, slot: int, specs: list[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        """The device tensors of the next batch in `slot`, the side stream ordered before them.
+
+        Called on the caller's thread (its current stream is the caller's stream), before any
+        copy into them is queued.
+        """
         if self.consumed[slot] is not None:
-            self.stream.wait_event(self.consumed[slot])  # the last kernel on it has read it
+            self.stream.wait_event(self.consumed[slot])  # the last kernels on it have read it
+            self.consumed[slot] = None
+        caller = self.cuda.current_stream(self.device)
+        return self.arenas[slot].carve(
+            self.device, specs, fresh=lambda: self.stream.wait_stream(caller)
+        )
+
+    def copy(self, slot: int, host: list[torch.Tensor], dev: list[torch.Tensor]) -> None:
+        """Queues the copies of one part of a batch on the side stream (a reader thread)."""
         with self.cuda.stream(self.stream):
-            for d, h in zip(dev, flat):
+            for d, h in zip(dev, host):
                 d.copy_(h, non_blocking=True)
             done = self.cuda.Event()
             done.record(self.stream)
-        self.cuda.current_stream(self.device).wait_event(done)
-        self.copied[slot] = done
-        out, k = [], 0
-        for p in parts:
-            out.append(dev[k : k + len(p)])
-            k += len(p)
-        return out
+        self.copied[slot].append(done)
+
+    def hand_over(self, slot: int) -> None:
+        """The caller's stream waits for the copies of the batch in `slot` (not the host)."""
+        caller = self.cuda.current_stream(self.device)
+        for ev in self.copied[slot]:
+            caller.wait_event(ev)
 
     def release(self, slot: int) -> None:
         """The caller is done with the batch in `slot`: its kernels were queued before now."""

@@ -49,6 +49,14 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
         nbytes: Size in bytes.
         pin: Allocate page-locked host memory (for asynchronous copies to a GPU).
     """
+    if pin:
+        # NOTE: [pinned size] torch's caching host allocator rounds every request up to a power
+        # of two (nbytes + PAGE for a 128 MiB arena would take 256 MiB of page-locked memory),
+        # and its blocks start on a page (cudaHostAlloc): the exact size is asked for.
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % PAGE == 0:
+            return raw
+        del raw  # an allocator that does not align: pay for the extra page
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % PAGE
     return raw[skip : skip + nbytes]

@@ -1,0 +1,182 @@
+// The emulated CUDA kernels against the scalar path, in a plain C++ program (no torch), so that it
+// can be built with ThreadSanitizer and UBSan (scripts/check_emulator.sh). Every path of the
+// kernels runs: vectorised with a tail and two chunks, scalar 1-D (an element-aligned input that
+// is not 16-byte aligned), strided 1-D, a 2-D box, mixed dtypes, an empty input, single-tensor
+// mode with both outputs. Exits 1 naming the first row that differs.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/launch.h"
+#include "emulator/emulator.h"
+#include "fsdpcheck/scalar.h"
+
+namespace {
+
+using namespace fsdpcheck;
+
+// Bytes whose start is 64-byte aligned plus `shift`, filled with random bits (every pattern:
+// NaN, Inf, subnormals, negative zero), and a copy with a few elements replaced.
+struct Pair {
+  std::vector<char> a_bytes, e_bytes;
+  const char* a;
+  const char* e;
+};
+
+Pair make_pair(int64_t elements, int size, size_t shift, std::mt19937_64& rng) {
+  Pair p;
+  const size_t n = static_cast<size_t>(elements) * static_cast<size_t>(size);
+  p.a_bytes.resize(n + 128);
+  p.e_bytes.resize(n + 128);
+  auto start = [shift](std::vector<char>& v) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(v.data());
+    return v.data() + ((64 - addr % 64) % 64) + shift;
+  };
+  char* a = start(p.a_bytes);
+  char* e = start(p.e_bytes);
+  for (size_t i = 0; i < n; ++i) a[i] = static_cast<char>(rng());
+  std::memcpy(e, a, n);
+  for (int k = 0; k < 5 && elements > 0; ++k) {
+    const size_t at = static_cast<size_t>(rng() % static_cast<uint64_t>(elements));
+    for (int b = 0; b < size; ++b) e[at * size + b] = static_cast<char>(rng());
+  }
+  p.a = a;
+  p.e = e;
+  return p;
+}
+
+TensorPlan plan_of(const char* a, const char* e, DType da, DType de, std::vector<int64_t> size,
+                   std::vector<int64_t> stride_a, std::vector<int64_t> stride_e,
+                   std::vector<int64_t> gstride, int64_t gbase) {
+  TensorPlan p{};
+  p.a = a;
+  p.e = e;
+  p.dtype_a = da;
+  p.dtype_e = de;
+  p.gbase = gbase;
+  p.ndim = static_cast<int32_t>(size.size());
+  p.numel = 1;
+  for (int d = 0; d < p.ndim; ++d) {
+    p.size[d] = size[d];
+    p.stride_a[d] = stride_a[d];
+    p.stride_e[d] = stride_e[d];
+    p.gstride[d] = gstride[d];
+    p.numel *= size[d];
+  }
+  return p;
+}
+
+std::vector<Partial> scalar_rows(const std::vector<TensorPlan>& plans, const Options& o) {
+  std::vector<Partial> rows(plans.size());
+  for (size_t t = 0; t < plans.size(); ++t) {
+    partial_init(rows[t]);
+    for (int64_t c = 0; c < plan_chunks(plans[t]); ++c) {
+      Partial part;
+      process_chunk_scalar(plans[t], c, o, part);
+      partial_combine(rows[t], part);
+    }
+  }
+  return rows;
+}
+
+bool same_sum(double x, double y) {
+  if (std::isnan(x) || std::isnan(y)) return std::isnan(x) && std::isnan(y);
+  if (std::isinf(x) || std::isinf(y)) return x == y;
+  return std::fabs(x - y) <= 1e-9 * std::fmax(std::fabs(x), std::fabs(y)) + 1e-300;
+}
+
+// The emulated rows of one launch against the scalar path; false (and a message) on a difference.
+bool check_launch(const char* what, const std::vector<TensorPlan>& plans, const Options& o,
+                  bool single) {
+  const std::vector<int64_t> meta = cuda::pack_metadata(plans);
+  const int64_t n = static_cast<int64_t>(plans.size());
+  std::vector<Partial> partials(static_cast<size_t>(std::max<int64_t>(meta[n], 1)));
+  std::vector<Partial> rows(plans.size());
+  std::vector<int64_t> fingerprints(plans.size(), 0);
+  cuda::LaunchArgs args;
+  args.meta = meta.data();
+  args.n = static_cast<int>(n);
+  args.total_chunks = meta[n];
+  args.options = o;
+  args.has_expected = !single;
+  args.partials = partials.data();
+  args.rows = rows.data();
+  args.fingerprints = single ? fingerprints.data() : nullptr;
+  cuda::emulate_compare(args);
+
+  std::vector<TensorPlan> scalar_plans = plans;
+  if (single) {
+    for (TensorPlan& p : scalar_plans) p.e = nullptr;
+  }
+  const std::vector<Partial> want = scalar_rows(scalar_plans, o);
+  for (size_t t = 0; t < plans.size(); ++t) {
+    const Partial& x = rows[t];
+    const Partial& y = want[t];
+    const bool exact =
+        x.mismatched == y.mismatched && x.nan_a == y.nan_a && x.nan_e == y.nan_e &&
+        x.inf_a == y.inf_a && x.inf_e == y.inf_e && x.zeros == y.zeros && x.fp_a == y.fp_a &&
+        x.fp_e == y.fp_e && x.max_abs_idx == y.max_abs_idx && x.max_rel_idx == y.max_rel_idx &&
+        std::memcmp(&x.max_abs, &y.max_abs, 8) == 0 && std::memcmp(&x.max_rel, &y.max_rel, 8) == 0;
+    const bool fp_out = !single || static_cast<uint64_t>(fingerprints[t]) == x.fp_a;
+    if (!exact || !fp_out || !same_sum(x.sum, y.sum) || !same_sum(x.sumsq, y.sumsq)) {
+      std::fprintf(stderr,
+                   "emulator self-test: %s, tensor %zu: emulated rows differ from the scalar "
+                   "path (mismatched %lld vs %lld, fingerprint %llx vs %llx, max_abs_index %lld "
+                   "vs %lld)\n",
+                   what, t, static_cast<long long>(x.mismatched),
+                   static_cast<long long>(y.mismatched), static_cast<unsigned long long>(x.fp_a),
+                   static_cast<unsigned long long>(y.fp_a), static_cast<long long>(x.max_abs_idx),
+                   static_cast<long long>(y.max_abs_idx));
+      return false;
+    }
+  }
+  std::printf("emulator self-test: %s: %zu tensors, %lld chunks, rows equal to the scalar path\n",
+              what, plans.size(), static_cast<long long>(meta[n]));
+  return true;
+}
+
+}  // namespace
+
+int run() {
+  std::mt19937_64 rng(7);
+  const int64_t big = kChunk + 37;  // two chunks; the vectorised path, then a tail
+  const Pair f32 = make_pair(big, 4, 0, rng);
+  const Pair bf16 = make_pair(1000, 2, 2, rng);   // element-aligned, not 16-byte aligned
+  const Pair f32_8 = make_pair(100, 4, 8, rng);   // 8-byte aligned, not 16
+  const Pair i64 = make_pair(3 * 777, 8, 0, rng);  // read with stride 3
+  const Pair f64 = make_pair(50 * 64, 8, 0, rng);  // a 20 x 30 box of 50 x 64
+  const Pair f16 = make_pair(300, 2, 0, rng);
+  const Pair u8 = make_pair(33, 1, 0, rng);
+  std::vector<TensorPlan> plans = {
+      plan_of(f32.a, f32.e, DType::kFloat32, DType::kFloat32, {big}, {1}, {1}, {1}, 5),
+      plan_of(bf16.a, bf16.e, DType::kBFloat16, DType::kBFloat16, {1000}, {1}, {1}, {1}, 0),
+      plan_of(f32_8.a, f32_8.e, DType::kFloat32, DType::kFloat32, {100}, {1}, {1}, {1}, 0),
+      plan_of(i64.a, i64.e, DType::kInt64, DType::kInt64, {777}, {3}, {1}, {1}, 1 << 20),
+      plan_of(f64.a + 8 * (7 * 64 + 11), f64.e + 8 * (7 * 64 + 11), DType::kFloat64,
+              DType::kFloat64, {20, 30}, {64, 1}, {64, 1}, {64, 1}, 7 * 64 + 11),
+      plan_of(f32.a, f16.e, DType::kFloat32, DType::kFloat16, {300}, {1}, {1}, {1}, 0),
+      plan_of(u8.a, u8.e, DType::kUInt8, DType::kUInt8, {0}, {1}, {1}, {1}, 0),
+      plan_of(u8.a, u8.e, DType::kUInt8, DType::kUInt8, {33}, {1}, {1}, {1}, 0),
+  };
+  bool ok = check_launch("compare", plans, Options{CompareParams{1e-3, 0.0, true}, true, true},
+                         false);
+  ok = ok && check_launch("compare without fingerprints",
+                          {plans[0], plans[4]},
+                          Options{CompareParams{0.3, 0.1, false}, false, false}, false);
+  ok = ok && check_launch("fingerprint", plans,
+                          Options{CompareParams{0.0, 0.0, true}, true, false}, true);
+  return ok ? 0 : 1;
+}
+
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "emulator self-test: %s\n", e.what());
+    return 1;
+  }
+}
