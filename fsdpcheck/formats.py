@@ -3,8 +3,9 @@
 ``describe_path`` is what ``open_source``, ``load``, ``audit`` and ``inspect`` all ask. It looks
 at file names and small marker files only (never unpickles anything): fsdpcheck.save (a DCP
 directory with a manifest), torchtitan step folders, accelerate ``save_state`` directories,
-Lightning checkpoints, Hugging Face folders (single file or sharded with an index), DeepSpeed
-ZeRO checkpoints, megatron-core ``dist_checkpointing`` directories, plain DCP and torch.save /
+Lightning checkpoints, Hugging Face folders (single file or sharded with a safetensors or
+``*.bin.index.json`` index), torch's HuggingFaceStorageWriter per-rank shards, DeepSpeed ZeRO
+checkpoints, megatron-core ``dist_checkpointing`` directories, plain DCP and torch.save /
 safetensors files.
 """
 
@@ -30,6 +31,7 @@ LAYOUTS = (
     "dcp",
     "torch.save",
     "safetensors",
+    "hf_storage",
 )
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 # Top-level entries torchtitan's CheckpointManager writes besides the model and optimizer.
@@ -90,6 +92,11 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def _file(p: Path) -> CheckpointInfo:
+    from fsdpcheck.sources import bin_index, hf_storage
+
+    info = hf_storage.recognize(p) or bin_index.recognize(p)
+    if info is not None:
+        return info
     if p.name.endswith(".safetensors.index.json"):
         hf = (p.parent / "config.json").is_file()
         layout = "transformers" if hf else "safetensors"
@@ -106,7 +113,8 @@ def _file(p: Path) -> CheckpointInfo:
         return CheckpointInfo(p, "torch.save", "full", f"a torch.save file ({p.name})", [p])
     raise ValueError(
         f"{p} is not a checkpoint fsdpcheck recognises (expected a DCP directory, a torch.save "
-        f"file {'/'.join(TORCH_SAVE_SUFFIXES)}, .safetensors or *.safetensors.index.json)"
+        f"file {'/'.join(TORCH_SAVE_SUFFIXES)}, .safetensors, *.safetensors.index.json or "
+        "*.bin.index.json)"
     )
 
 
@@ -127,6 +135,11 @@ def _directory(p: Path) -> CheckpointInfo:
     )
     if fsdp or accelerate_markers:
         return _accelerate(p)
+    from fsdpcheck.sources import bin_index, hf_storage
+
+    info = hf_storage.recognize(p)
+    if info is not None:
+        return info
     index = sorted(n for n in names if n.endswith(".safetensors.index.json"))
     tensors = sorted(n for n in names if n.endswith(".safetensors"))
     if index or tensors:
@@ -154,6 +167,9 @@ def _directory(p: Path) -> CheckpointInfo:
             f"{p} is a torchtitan checkpoint folder with {len(steps)} step(s); pass one of them, "
             f"e.g. {steps[-1]}"
         )
+    info = bin_index.recognize(p)
+    if info is not None:
+        return info
     saved = sorted(q for q in _listdir(p) if q.suffix in TORCH_SAVE_SUFFIXES and q.is_file())
     if len(saved) == 1:
         info = _file(saved[0])
