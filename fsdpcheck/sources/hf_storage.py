@@ -17,6 +17,7 @@ files can show: a check against the live model names it as a shape finding.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -179,6 +180,10 @@ class HFStorageSource(Source):
         self._entries: dict[str, Entry] = {}
         self._chunks: dict[str, list[_Chunk]] = {}
         self._overlapping: set[str] = set()
+        # Per key: its boxes by offsets (a region that is one box), and sorted along dim 0 with
+        # the tallest box's rows (the boxes a region can meet, found by bisection).
+        self._at: dict[str, dict[tuple[int, ...], _Chunk]] = {}
+        self._rows: dict[str, tuple[list[int], list[_Chunk], int]] = {}
         for key in sorted(found):
             self._settle(key, found[key])
 
@@ -232,6 +237,11 @@ class HFStorageSource(Source):
                 self._problems.append((key, "layout", f"{p}: saved in more than one shard file"))
         self._entries[key] = Entry(key, (key,), shape, first.dtype)
         self._chunks[key] = kept
+        self._at[key] = {c.offsets: c for c in kept}
+        if shape:
+            by_row = sorted(kept, key=lambda c: c.offsets[0])
+            tallest = max(c.sizes[0] for c in kept)
+            self._rows[key] = ([c.offsets[0] for c in by_row], by_row, tallest)
 
     def entries(self) -> dict[str, Entry]:
         """Every tensor with at least one readable box (its shape: NOTE: [HF shard extents])."""
@@ -248,8 +258,17 @@ class HFStorageSource(Source):
     def _meeting(self, region: Region) -> list[_Chunk]:
         """The boxes meeting `region`, after checking they cover it exactly once."""
         key, box = region.key, (tuple(region.offset), tuple(region.size))
-        meeting = [c for c in self._chunks[key] if intersect(box, c.box) is not None]
         overlapping = key in self._overlapping
+        exact = self._at[key].get(box[0])
+        if exact is not None and exact.sizes == box[1] and not overlapping:
+            return [exact]  # one saved box (read along the boxes, as fingerprints and verify do)
+        near = self._chunks[key]
+        if key in self._rows:
+            starts, by_row, tallest = self._rows[key]
+            # No box starting above `tallest` rows before the region reaches it.
+            lo = bisect.bisect_left(starts, box[0][0] - tallest + 1)
+            near = by_row[lo : bisect.bisect_left(starts, box[0][0] + box[1][0])]
+        meeting = [c for c in near if intersect(box, c.box) is not None]
         missing = uncovered(box, [c.box for c in meeting], disjoint=not overlapping)
         if missing:
             raise CoverageError(
