@@ -268,6 +268,12 @@ HOSTILE = {
           "{'saved_offsets': [4]} in DCP_SHARDING_INFO do not place a 2-dim box in a global "
           "tensor")],
     ),
+    # offsets that place a box beyond any tensor the kernels can index
+    "offsets_far_away": (
+        _offsets("emb.weight", [1 << 62, 0]),
+        [("emb.weight", "layout", "{src}: emb.weight: its boxes span (4611686018427387907, 6), "
+          "more than 2**62 elements: the saved offsets are wrong")],
+    ),
     "no_sharding_info": (_no_info, None),
     "truncated": (_truncate, None),
     "link_outside": (
@@ -355,6 +361,16 @@ def test_reads_refuse_gaps_and_overlaps(saved: dict[str, Path], tmp_path: Path) 
     with pytest.raises(CheckpointError, match=r"region \[4:5, 0:6\] is saved in both"):
         source.read([Region("blocks.0.w1.weight", (3, 0), (3, 6))], torch.device("cpu"))
     assert fine.shape == (3, 6)
+
+
+def test_vanished_file_is_one_line(saved: dict[str, Path], tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved["clean"], d)
+    source = HFStorageSource(d)
+    (d / RANK1).unlink()
+    with pytest.raises(CheckpointError) as err:
+        source.read([Region("emb.weight", (4, 0), (3, 6))], torch.device("cpu"))
+    assert str(err.value) == f"safetensors shard {d / RANK1}: No such file or directory"
 
 
 def test_shrunk_file_is_refused_not_mapped(saved: dict[str, Path], tmp_path: Path) -> None:

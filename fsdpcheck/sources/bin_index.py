@@ -44,7 +44,10 @@ def recognize(path: Path) -> CheckpointInfo | None:
         ValueError: The folder holds more than one such index (which one is meant is unknown).
     """
     if path.is_dir():
-        found = sorted(n for n in os.listdir(path) if n.endswith(INDEX_SUFFIX))
+        try:
+            found = sorted(n for n in os.listdir(path) if n.endswith(INDEX_SUFFIX))
+        except OSError as exc:
+            raise ValueError(f"cannot list {path}: {exc.strerror or exc}") from None
         if not found:
             return None
         if len(found) > 1:

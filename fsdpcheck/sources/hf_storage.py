@@ -56,17 +56,24 @@ _MAX_NUMEL = 1 << 62
 
 
 def shard_files(path: Path) -> list[Path]:
-    """The per-rank shard files `path` names: the file itself, or those directly in a folder."""
-    if path.is_dir():
-        return sorted(q for q in path.iterdir() if _SHARD_NAME.fullmatch(q.name))
-    return [path] if _SHARD_NAME.fullmatch(path.name) else []
+    """The per-rank shard files `path` names: the file itself, or those directly in a folder.
+
+    Raises:
+        CheckpointError: The folder cannot be listed.
+    """
+    if not path.is_dir():
+        return [path] if _SHARD_NAME.fullmatch(path.name) else []
+    try:
+        return sorted(path / n for n in os.listdir(path) if _SHARD_NAME.fullmatch(n))
+    except OSError as exc:
+        raise CheckpointError(f"cannot list {path}: {exc.strerror or exc}") from None
 
 
 def holds_shards(path: Path) -> bool:
     """Whether `path` is a shard file or a folder of them (what `HFStorageSource` opens)."""
     try:
         return bool(shard_files(path))
-    except OSError:
+    except CheckpointError:
         return False
 
 
@@ -89,8 +96,7 @@ def recognize(path: Path) -> CheckpointInfo | None:
         what = f"one rank's safetensors shard from torch's HuggingFaceStorageWriter ({path.name})"
         return CheckpointInfo(path, LAYOUT, "full", what, [path], notes)
     shards = shard_files(path)
-    names = os.listdir(path)
-    index = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    index = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
     if shards and not index:
         return CheckpointInfo(path, LAYOUT, "full", _describe(path, shards), [path])
     sharded = path / SHARDED_DIR
@@ -224,7 +230,7 @@ class HFStorageSource(Source):
                 continue
             kept.append(c)
         shape = tuple(max(c.offsets[d] + c.sizes[d] for c in kept) for d in range(len(first.sizes)))
-        if math.prod(shape) > _MAX_NUMEL:
+        if math.prod(shape) > _MAX_NUMEL or any(g > _MAX_NUMEL for g in shape):
             why = f"its boxes span {shape}, more than 2**62 elements: the saved offsets are wrong"
             self._problems.append((key, "layout", f"{self.description}: {key}: {why}"))
             return
@@ -330,7 +336,10 @@ class _Mapped:
         self._sizes = sizes
         self._whole: dict[Path, torch.Tensor] = {}
         for f in files:
-            now = os.stat(f).st_size
+            try:
+                now = os.stat(f).st_size
+            except OSError as exc:
+                raise CheckpointError(f"safetensors shard {f}: {exc.strerror or exc}") from None
             if now < sizes[f]:
                 # A mapped page past the end of a file kills the process (SIGBUS).
                 raise CheckpointError(
@@ -342,7 +351,10 @@ class _Mapped:
         """A box's elements: a view of the mapped file (a copy when not aligned to its dtype)."""
         whole = self._whole.get(c.file)
         if whole is None:
-            storage = torch.UntypedStorage.from_file(str(c.file), False, self._sizes[c.file])
+            try:
+                storage = torch.UntypedStorage.from_file(str(c.file), False, self._sizes[c.file])
+            except RuntimeError as exc:
+                raise CheckpointError(f"safetensors shard {c.file}: {one_line(exc)}") from None
             whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
             self._whole[c.file] = whole
         raw = whole[c.start : c.start + math.prod(c.sizes) * c.dtype.itemsize]
