@@ -1,10 +1,10 @@
 """fsdpcheck against checkpoints written by the trainer libraries' own save code.
 
-transformers folders are built in this process; every multi-rank checkpoint (plain DCP,
-torchtitan, Lightning Fabric, accelerate, DeepSpeed, megatron-core) is built by ONE
-``torchrun --nproc-per-node 2`` launch, and the live-model checks run in a second one (see
-tests/corpus/). A library that is not installed, or cannot save on CPU ranks, skips with the
-reason.
+transformers folders (and accelerate's sharded .bin saves of the same model) are built in
+this process; every multi-rank checkpoint (plain DCP, torchtitan, Lightning Fabric, accelerate,
+DeepSpeed, megatron-core) is built by ONE ``torchrun --nproc-per-node 2`` launch, and the
+live-model checks run in a second one (see tests/corpus/). A library that is not installed, or
+cannot save on CPU ranks, skips with the reason.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ _RANK_ERROR = re.compile(r"Error|Exception|terminate|Traceback|File \"|assert|Ab
 @pytest.fixture(scope="module")
 def hf_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     pytest.importorskip("transformers", reason="transformers is not installed")
-    from tests.corpus import hf
+    from tests.corpus import hf, hf_bin
 
-    return {c.name: c for c in hf.build(tmp_path_factory.mktemp("hf"))}
+    root = tmp_path_factory.mktemp("hf")
+    return {c.name: c for c in hf.build(root) + hf_bin.build(root)}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,14 @@ def dist_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Cas
     return cases, checks
 
 
-HF_NAMES = ["hf_tied_single", "hf_tied_sharded", "hf_untied_single", "hf_untied_sharded"]
+HF_NAMES = [
+    "hf_tied_single",
+    "hf_tied_sharded",
+    "hf_untied_single",
+    "hf_untied_sharded",
+    "hf_bin_bare",
+    "hf_bin_config",
+]
 DIST_NAMES = [
     "dcp_fqn_nested",
     "dcp_fqn_flat",

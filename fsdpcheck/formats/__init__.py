@@ -25,6 +25,7 @@ from fsdpcheck.formats.base import (
 from fsdpcheck.formats.dcp import Dcp
 from fsdpcheck.formats.deepspeed import DeepSpeed
 from fsdpcheck.formats.files import TORCH_SAVE_SUFFIXES, Safetensors, TorchSave
+from fsdpcheck.formats.hf_storage import HFStorage
 from fsdpcheck.formats.lightning import Lightning
 from fsdpcheck.formats.megatron import Megatron
 from fsdpcheck.formats.native import Native
@@ -43,6 +44,7 @@ LAYOUTS: tuple[CheckpointLayout, ...] = (
     TrainerCheckpoint(),
     Accelerate(),
     Peft(),
+    HFStorage(),
     HuggingFace(),
     Safetensors(),
     TorchSave(),
@@ -83,7 +85,8 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
     if not probe.is_dir:
         raise ValueError(
             f"{p} is not a checkpoint fsdpcheck recognises (expected a DCP directory, a torch.save "
-            f"file {'/'.join(TORCH_SAVE_SUFFIXES)}, .safetensors or *.safetensors.index.json)"
+            f"file {'/'.join(TORCH_SAVE_SUFFIXES)}, .safetensors, *.safetensors.index.json or "
+            "*.bin.index.json)"
         )
     saved = sorted(
         n for n in probe.names if Path(n).suffix in TORCH_SAVE_SUFFIXES and (p / n).is_file()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, KeyGrammar, Probe
-from fsdpcheck.formats.transformers import safetensors_folder
+from fsdpcheck.formats.transformers import (
+    BIN_INDEX_SUFFIX,
+    bin_index_folder,
+    safetensors_folder,
+)
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -31,13 +35,20 @@ class Safetensors(CheckpointLayout):
 
 
 class TorchSave(CheckpointLayout):
-    """A ``torch.save`` file (``.pt``, ``.pth``, ``.bin``)."""
+    """A ``torch.save`` file (``.pt``, ``.pth``, ``.bin``), or shards with their index."""
 
     name = "torch.save"
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
-        """By suffix."""
+        """By suffix; a folder holding one ``*.bin.index.json`` is read through it."""
         p = probe.path
-        if probe.is_dir or p.suffix not in TORCH_SAVE_SUFFIXES:
+        if probe.is_dir:
+            if probe.is_dcp:
+                return None
+            return bin_index_folder(p, probe.names, self.name, "sharded torch.save checkpoint")
+        if p.name.endswith(BIN_INDEX_SUFFIX):
+            what = f"a sharded torch.save checkpoint ({p.name})"
+            return CheckpointInfo(p, self.name, "full", what, [p], roles=["model"])
+        if p.suffix not in TORCH_SAVE_SUFFIXES:
             return None
         return CheckpointInfo(p, self.name, "full", f"a torch.save file ({p.name})", [p])

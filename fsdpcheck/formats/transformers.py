@@ -96,19 +96,42 @@ class HuggingFace(CheckpointLayout):
         """``config.json`` beside safetensors weights (a file, shards, or an index)."""
         p = probe.path
         if not probe.is_dir:
-            if p.name.endswith(".safetensors.index.json") and (p.parent / "config.json").is_file():
+            if p.name.endswith(INDEX_SUFFIXES) and (p.parent / "config.json").is_file():
+                what = "safetensors" if p.name.endswith(".safetensors.index.json") else "torch.save"
                 return CheckpointInfo(
                     p,
                     self.name,
                     "full",
-                    f"a sharded safetensors index ({p.name})",
+                    f"a sharded {what} index ({p.name})",
                     [p],
                     roles=["model"],
                 )
             return None
         if probe.is_dcp or "config.json" not in probe.names:
             return None
-        return safetensors_folder(p, probe.names, self.name, "Hugging Face folder")
+        return safetensors_folder(p, probe.names, self.name, "Hugging Face folder") or (
+            bin_index_folder(p, probe.names, self.name, "Hugging Face folder, sharded")
+        )
+
+
+#: Index files of sharded checkpoints: safetensors, and torch.save shards (``pytorch_model-0000x-
+#: of-0000y.bin``, written by ``save_pretrained(safe_serialization=False)`` in older transformers,
+#: accelerate's ``save_model(safe_serialization=False)`` and ``zero_to_fp32`` without safetensors).
+BIN_INDEX_SUFFIX = ".bin.index.json"
+INDEX_SUFFIXES = (".safetensors.index.json", BIN_INDEX_SUFFIX)
+
+
+def bin_index_folder(p: Path, names: set[str], layout: str, what: str) -> CheckpointInfo | None:
+    """A folder read through its one ``*.bin.index.json``, or None (two: a ValueError)."""
+    found = sorted(n for n in names if n.endswith(BIN_INDEX_SUFFIX))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ValueError(
+            f"{p} holds {len(found)} torch.save indexes ({', '.join(found)}); pass the one to use"
+        )
+    info = f"a {what} ({found[0]})"
+    return CheckpointInfo(p, layout, "full", info, [p / found[0]], roles=["model"])
 
 
 def safetensors_folder(p: Path, names: set[str], layout: str, what: str) -> CheckpointInfo | None:

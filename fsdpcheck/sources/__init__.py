@@ -99,7 +99,16 @@ def open_part(info: CheckpointInfo, index: int) -> Source:
 
 
 def open_path(path: Path) -> Source:
-    """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file."""
+    """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file.
+
+    Also a ``*.bin.index.json``, and torch's HuggingFaceStorageWriter shards (a folder or a file).
+    """
+    from fsdpcheck.sources import bin_index, hf_storage
+
+    if hf_storage.holds_shards(path):
+        return hf_storage.HFStorageSource(path)
+    if bin_index.is_bin_index(path):
+        return bin_index.BinIndexSource(path)
     if path.is_dir():
         from fsdpcheck.sources.dcp import DCPSource
 

@@ -231,27 +231,31 @@ def _safetensors_layout(f: Path) -> _Layout | None:
     return mapped, 8 + n, where
 
 
-def read_index(path: Path) -> dict[str, str]:
+def read_index(path: Path, what: str = "safetensors index") -> dict[str, str]:
     """The ``weight_map`` of a ``*.safetensors.index.json`` (tensor name -> shard file name).
+
+    Args:
+        path: The index file.
+        what: What to call it in messages (``*.bin.index.json`` indexes have the same form).
 
     Raises:
         FileNotFoundError: It does not exist.
         CheckpointError: Not a regular file, too large, not JSON, or no weight_map of strings.
     """
-    check_regular(path, "safetensors index")
+    check_regular(path, what)
     if path.stat().st_size > _MAX_INDEX_BYTES:
-        raise CheckpointError(f"safetensors index {path} is larger than {_MAX_INDEX_BYTES} bytes")
+        raise CheckpointError(f"{what} {path} is larger than {_MAX_INDEX_BYTES} bytes")
     try:
         doc = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"safetensors index {path} is not JSON: {one_line(exc)}") from None
+        raise CheckpointError(f"{what} {path} is not JSON: {one_line(exc)}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"safetensors index {path} has no 'weight_map' object")
+        raise CheckpointError(f"{what} {path} has no 'weight_map' object")
     for k, v in weight_map.items():
         if not isinstance(v, str):
             raise CheckpointError(
-                f"safetensors index {path}: weight_map[{k!r:.80}] is {v!r:.80}, not a file name"
+                f"{what} {path}: weight_map[{k!r:.80}] is {v!r:.80}, not a file name"
             )
     return weight_map
 

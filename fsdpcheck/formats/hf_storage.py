@@ -1,0 +1,93 @@
+"""torch's ``HuggingFaceStorageWriter``: per-rank safetensors shards placed by header metadata.
+
+``dcp.save(state, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))`` has
+every rank write ``shard-<rank + 1>-model-<i>-of-<n>.safetensors`` into `path`; with
+``enable_consolidation=True`` the shards go to ``path/sharded/`` and the full tensors
+(``model-*.safetensors`` + ``model.safetensors.index.json``) to `path`. The reader is
+``fsdpcheck.sources.hf_storage``. Kind "full": ``load`` reads each tensor whole (assembled from
+its boxes) and every rank keeps its part.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+
+SHARDED_DIR = "sharded"
+SHARD_NAME = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The per-rank shard files `path` names: the file itself, or those directly in a folder.
+
+    Raises:
+        ValueError: The folder cannot be listed.
+    """
+    if not path.is_dir():
+        return [path] if SHARD_NAME.fullmatch(path.name) else []
+    try:
+        return sorted(path / n for n in os.listdir(path) if SHARD_NAME.fullmatch(n))
+    except OSError as exc:
+        raise ValueError(f"cannot list {path}: {exc.strerror or exc}") from None
+
+
+def _describe(folder: Path, shards: list[Path]) -> str:
+    return (
+        f"per-rank safetensors shards from torch's HuggingFaceStorageWriter ({len(shards)} "
+        f"file(s) in {folder})"
+    )
+
+
+class HFStorage(CheckpointLayout):
+    """A folder of per-rank shards, one shard file, or a consolidated folder with ``sharded/``."""
+
+    name = "hf_storage"
+
+    def recognize(self, probe: Probe) -> CheckpointInfo | None:
+        """Shards by name; a consolidated folder is read through its index (with a note)."""
+        path = probe.path
+        if not probe.is_dir:
+            if not SHARD_NAME.fullmatch(path.name):
+                return None
+            others = len(shard_files(path.parent)) - 1
+            notes = []
+            if others:
+                notes.append(
+                    f"{others} other shard file(s) beside it not read (pass {path.parent})"
+                )
+            what = (
+                f"one rank's safetensors shard from torch's HuggingFaceStorageWriter ({path.name})"
+            )
+            return CheckpointInfo(path, self.name, "full", what, [path], notes)
+        if probe.is_dcp:
+            return None
+        shards = shard_files(path)
+        index = sorted(n for n in probe.names if n.endswith(".safetensors.index.json"))
+        if shards and not index:
+            return CheckpointInfo(path, self.name, "full", _describe(path, shards), [path])
+        sharded = path / SHARDED_DIR
+        shards = shard_files(sharded) if sharded.is_dir() else []
+        if not shards:
+            return None
+        if len(index) == 1:
+            from fsdpcheck.formats import describe_path
+
+            info = describe_path(path / index[0])
+            info.path = path
+            info.notes.append(
+                f"{SHARDED_DIR}/ holds the per-rank shards these consolidated files were made "
+                f"from: not read (pass {sharded} to check them)"
+            )
+            return info
+        if index:
+            return None  # several indexes: the safetensors folder rules refuse it with one line
+        note = (
+            f"no model.safetensors.index.json beside {SHARDED_DIR}/ (consolidation not run or "
+            "not finished): the per-rank shards are read"
+        )
+        return CheckpointInfo(
+            path, self.name, "full", _describe(sharded, shards), [sharded], [note]
+        )
