@@ -28,7 +28,7 @@ from fsdpcheck.sources import Region, Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 
 if TYPE_CHECKING:
-    from fsdpcheck.layout import Layout
+    from fsdpcheck.layout import Layout, Meta
 
 # The live side (collectives, layouts, the model walk, torch.distributed) is imported where it
 # is used: fingerprinting a checkpoint on disk needs none of it (~7 ms of a command's start).
@@ -51,6 +51,8 @@ class FingerprintResult:
         tied: Tied duplicate name -> the name it is listed under (tied parameters count once).
         order: The optimizer's parameters in param_groups order (maps the integer ids of a raw
             ``optimizer.state_dict()`` a checkpoint holds), empty without one.
+        metas: Global shape and dtype of every key of the job (pipeline stages: also the keys
+            other ranks hold), for callers that describe the keys (the save manifest).
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
@@ -58,10 +60,11 @@ class FingerprintResult:
     layouts: dict[str, Layout] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
+    metas: dict[str, Meta] = field(default_factory=dict)
 
 
 def fingerprint(
-    model_or_state_dict: torch.nn.Module | Mapping[str, Any],
+    model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
     *,
     optimizer: Any = None,
     group: Any = None,
@@ -94,7 +97,7 @@ def fingerprint(
 
 
 def check_replicas(
-    model_or_state_dict: torch.nn.Module | Mapping[str, Any],
+    model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
     *,
     optimizer: Any = None,
     group: Any = None,
@@ -116,7 +119,7 @@ def check_replicas(
 
 
 def fingerprint_report(
-    model_or_state_dict: torch.nn.Module | Mapping[str, Any],
+    model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
     *,
     optimizer: Any = None,
     group: Any = None,
@@ -154,6 +157,7 @@ def fingerprint_report(
     result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
     keys = sorted(job)
+    result.metas = {k: job[k] for k in keys}
     mine = live.tensors(dedupe_tied=True)
     stats = [KeyStats() for _ in keys]
     try:

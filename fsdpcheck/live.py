@@ -8,7 +8,7 @@ get_optimizer_state_dict``, which initialises an optimizer that has no state by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,14 @@ import torch
 from fsdpcheck import names
 from fsdpcheck.layout import Meta, global_meta, is_zero3, zero3_problem
 
-__all__ = ["LiveState", "flat_live", "inner_optimizers", "live_state", "model_canonicalizer"]
+__all__ = [
+    "LiveState",
+    "flat_live",
+    "inner_optimizers",
+    "live_state",
+    "model_canonicalizer",
+    "model_parts",
+]
 
 
 @dataclass
@@ -89,47 +96,44 @@ def _meta(v: Any) -> Meta:
 
 
 def live_state(
-    model: Any, optimizer: Any = None, *, model_state: Mapping[str, Any] | None = None
+    model: Any,
+    optimizer: Any = None,
+    *,
+    model_state: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
 ) -> LiveState:
     """Reads a model (nn.Module or state dict) and optimizer under canonical names.
 
     Args:
         model: An nn.Module (FSDP2, TP, 2D, HSDP, DDP, FSDP1, plain, wrapped by Lightning,
-            accelerate or torch.compile) or a state dict of DTensors / ShardedTensors / tensors.
+            accelerate or torch.compile), a list of model parts (the pipeline stages a rank
+            runs, named as in the whole model), or a state dict of DTensors / ShardedTensors /
+            tensors.
         optimizer: A torch optimizer or a wrapper of one or several (torchtitan
             OptimizersContainer, Lightning/Fabric optimizers, accelerate AcceleratedOptimizer),
             or an FQN-keyed optimizer state dict (``{"state": ..., "param_groups": ...}``).
         model_state: The module's state dict when the caller already has it (``load`` loads
-            into that one); default ``get_model_state_dict(model)``.
+            into that one), or one per model part; default ``get_model_state_dict``.
 
     Returns:
         The LiveState. Reading changes nothing.
     """
     out = LiveState()
-    model = _unwrap(model)
-    if isinstance(model, torch.nn.Module):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        sd = get_model_state_dict(model) if model_state is None else model_state
-        raw = {k: v for k, v in sd.items() if _is_tensor(v)}
-        canon = model_canonicalizer(model)
-        out.model = {canon(k): v for k, v in raw.items()}
-        out.model.update(_zero3_parameters(model, canon, out.model, optimizer))
-        out.buffers = _non_persistent(model, canon, out.model)
-        out.adapters = _adapter_names(model)
+    parts = model_parts(model)
+    if parts is not None:
+        states: list[Any] = [model_state] * len(parts)
+        if isinstance(model_state, (list, tuple)):
+            if len(model_state) != len(parts):
+                raise TypeError("model_state: one state dict per model part")
+            states = list(model_state)
         first: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            fqn = canon(name)
-            out.requires_grad[fqn] = p.requires_grad
-            if id(p) in first and first[id(p)] != fqn:
-                out.tied[fqn] = first[id(p)]
-            else:
-                first[id(p)] = fqn
+        canons = []
+        for part, state in zip(parts, states):
+            canons.append(_module_state(out, part, first, optimizer, state))
         if optimizer is not None:
             if isinstance(optimizer, Mapping):
-                _state_dict_optimizer(out, optimizer, canon)
+                _state_dict_optimizer(out, optimizer, canons[0] if len(canons) == 1 else _same)
             else:
-                _read_optimizers(out, model, optimizer, first)
+                _read_optimizers(out, parts, optimizer, first)
         return out
     if isinstance(model, Mapping):
         if optimizer is not None and not isinstance(optimizer, Mapping):
@@ -147,6 +151,62 @@ def live_state(
             _state_dict_optimizer(out, optimizer, canon)
         return out
     raise TypeError(f"model must be an nn.Module or a state dict, not {type(model).__name__}")
+
+
+def model_parts(model: Any) -> list[torch.nn.Module] | None:
+    """The modules a model is made of: one, or several parts; None for a state dict.
+
+    Several parts are torchtitan's ``model_parts``: the pipeline stages a rank runs (e.g. under
+    an interleaved schedule). Parts keep the whole model's names (a stage holds ``layers.3`` as
+    ``layers.3``), so their names never collide; a name held by two parts is refused.
+    """
+    if (
+        isinstance(model, (list, tuple))
+        and model
+        and all(isinstance(_unwrap(m), torch.nn.Module) for m in model)
+    ):
+        return [_unwrap(m) for m in model]
+    model = _unwrap(model)
+    return [model] if isinstance(model, torch.nn.Module) else None
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _module_state(
+    out: LiveState,
+    model: torch.nn.Module,
+    first: dict[int, str],
+    optimizer: Any,
+    model_state: Mapping[str, Any] | None,
+) -> Any:
+    """Adds one module's tensors to `out`; returns its canonicaliser."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model) if model_state is None else model_state
+    raw = {k: v for k, v in sd.items() if _is_tensor(v)}
+    canon = model_canonicalizer(model)
+    mine = {canon(k): v for k, v in raw.items()}
+    mine.update(_zero3_parameters(model, canon, mine, optimizer))
+    twice = sorted(set(mine) & set(out.model))
+    if twice:
+        raise ValueError(
+            f"two model parts hold {twice[0]}"
+            + (f" (and {len(twice) - 1} more)" if len(twice) > 1 else "")
+            + ": parts must hold different tensors (pipeline stages of one model)"
+        )
+    out.model.update(mine)
+    out.buffers.update(_non_persistent(model, canon, mine))
+    out.adapters = tuple(dict.fromkeys(out.adapters + _adapter_names(model)))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        fqn = canon(name)
+        out.requires_grad[fqn] = p.requires_grad
+        if id(p) in first and first[id(p)] != fqn:
+            out.tied[fqn] = first[id(p)]
+        else:
+            first[id(p)] = fqn
+    return canon
 
 
 def _non_persistent(model: torch.nn.Module, canon: Any, saved: Mapping[str, Any]) -> dict:
@@ -254,12 +314,19 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return seen
 
 
-def _read_optimizers(out: LiveState, model: Any, optimizer: Any, fqn_of: dict[int, str]) -> None:
+def _read_optimizers(
+    out: LiveState, parts: list[torch.nn.Module], optimizer: Any, fqn_of: dict[int, str]
+) -> None:
     optimizers = inner_optimizers(optimizer)
     out.optim_state, out.param_groups = {}, []
     flat = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     if any(id(p) not in fqn_of for p in flat):
-        _torch_optimizer_state(out, model, optimizers)
+        if len(parts) != 1:
+            raise ValueError(
+                "the optimizer holds parameters that no model part has (FSDP1 flat parameters "
+                "are read through torch's state dict API, one model at a time)"
+            )
+        _torch_optimizer_state(out, parts[0], optimizers)
         return
     for oi, opt in enumerate(optimizers):
         if not opt.state and any(g["params"] for g in opt.param_groups):

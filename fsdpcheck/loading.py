@@ -9,7 +9,7 @@ against the manifest in one pass.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,9 +20,9 @@ from fsdpcheck.collectives import Comm, agree, digest, distinct
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
-from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer
+from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer, model_parts
 from fsdpcheck.manifest import Manifest, read_manifest
-from fsdpcheck.report import Report, describe_error, normalized, root_cause
+from fsdpcheck.report import Finding, MappingRow, Report, describe_error, normalized, root_cause
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, open_source, refuse_problems
@@ -134,9 +134,10 @@ def load(
     finally:
         work.source.close()
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
-    notes += work.match.notes
+    paired_notes, paired_findings, rows = _pairing_everywhere(comm, work.match)
+    notes += paired_notes
     findings = unwritten(marked, comm) if sentinel else []
-    findings += work.match.findings
+    findings += paired_findings
     report: Report
     manifest = plan.manifest
     if verify == "fingerprint" and manifest is None:
@@ -153,8 +154,31 @@ def load(
     report.findings = normalized(findings + report.findings)
     report.notes = notes + [n for n in report.notes if n not in notes]
     if not report.mapping:
-        report.mapping = work.match.rows
+        report.mapping = rows
     return report
+
+
+def _pairing_everywhere(
+    comm: Comm, m: matching.LiveMatch
+) -> tuple[list[str], list[Finding], list[MappingRow]]:
+    """What load's pairing found, the same on every rank.
+
+    Every rank paired its own keys. When the ranks hold the same keys that is the job's pairing;
+    under pipeline stages each stage's differs, and a checkpoint key another stage holds is
+    not "unexpected": only what a rank lacks (missing) is kept, with the rank, and the mapping is
+    left to the check that follows (which pairs the job's keys).
+    """
+    groups, past = distinct(comm, (m.notes, m.findings, m.rows))
+    if len(groups) == 1 and not past:
+        return list(m.notes), list(m.findings), list(m.rows)
+    notes: list[str] = []
+    findings: list[Finding] = []
+    for g in groups:
+        notes += [n for n in g.payload[0] if n not in notes]
+        for f in g.payload[1]:
+            if f.kind != "unexpected":
+                findings.append(replace(f, rank=g.ranks[0], ranks=list(g.ranks)))
+    return notes, findings, []
 
 
 def _preflight(path: str | os.PathLike[str]) -> _Plan:
@@ -230,15 +254,21 @@ def _manifest_agrees(manifest: Manifest, source: Source, where: Path) -> None:
 
 @dataclass
 class _Work:
-    """The live state dicts to load into, paired with the checkpoint (local, per rank)."""
+    """The live state dicts to load into, paired with the checkpoint (local, per rank).
+
+    One entry per model part in `parts`, `optimizers`, `msds` and `osds` (one part for a plain
+    model; several for the pipeline stages a rank runs). The merged `osd` holds the same tensors
+    and group dicts as the parts' ``osds``.
+    """
 
     info: CheckpointInfo
-    model: Any
-    optimizer: Any
+    parts: list[Any]
+    optimizers: list[Any]
     source: Source
     match: matching.LiveMatch
-    msd: dict[str, Any]
-    osd: Any  # torch's optimizer state dict (FQN-keyed), or None
+    msds: list[dict[str, Any]]
+    osds: list[Any]
+    osd: Any  # torch's optimizer state dict (FQN-keyed) of every part, or None
     raw: dict[str, str]  # canonical model name -> the model state dict's own key
     raw_param: dict[str, str]  # canonical parameter -> the optimizer state dict's own key
     hparams: dict[str, Any]  # the paired param groups' saved hyperparameters, by key
@@ -251,22 +281,41 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Wo
         get_optimizer_state_dict,
     )
 
+    parts = model_parts(model)
+    if parts is None:
+        raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
     source = open_source(info.path)
     try:
         keys = checkpoint_keys(source)
-        msd = get_model_state_dict(model)
+        msds = [get_model_state_dict(p) for p in parts]
+        opts: list[Any] = []
+        osds: list[Any] = []
         osd = None
-        opt: Any = None
         if optimizer is not None and keys.state:
             optimizers = inner_optimizers(optimizer)
-            opt = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
+            if len(parts) == 1:
+                opts = [optimizers[0] if len(optimizers) == 1 else tuple(optimizers)]
+            elif len(optimizers) == len(parts):
+                opts = list(optimizers)
+            else:
+                raise ValueError(
+                    f"{len(parts)} model parts but {len(optimizers)} optimizers: pass one "
+                    "optimizer per part, in the same order (torchtitan's OptimizersContainer does)"
+                )
             # Creates the state of an optimizer that has none (a step at lr 0: no weight
             # changes); the load then overwrites it.
-            osd = get_optimizer_state_dict(model, opt)
-        live = live_state(model, osd, model_state=msd)
+            osds = [get_optimizer_state_dict(p, o) for p, o in zip(parts, opts)]
+            osd = {
+                "state": {k: v for o in osds for k, v in o["state"].items()},
+                "param_groups": [g for o in osds for g in o["param_groups"]],
+            }
+        live = live_state(parts, osd, model_state=msds)
         m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
-        canon = model_canonicalizer(model)
-        raw = {canon(k): k for k in msd}
+        raw: dict[str, str] = {}
+        for part, msd in zip(parts, msds):
+            canon = model_canonicalizer(part)
+            raw.update({canon(k): k for k in msd})
+        canon = model_canonicalizer(parts[0]) if len(parts) == 1 else (lambda n: n)
         raw_param = {canon(str(k)): str(k) for k in (osd or {}).get("state", {})}
         # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
         wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
@@ -274,7 +323,7 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Wo
     except BaseException:
         source.close()
         raise
-    return _Work(info, model, opt, source, m, msd, osd, raw, raw_param, hparams)
+    return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
 
 
 def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
@@ -320,10 +369,12 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
             if lost is not None:
                 raise lost from None
             raise CheckpointError(f"loading {where} failed: {_first_failure(exc)}") from None
-    set_model_state_dict(w.model, w.msd)
+    for part, msd in zip(w.parts, w.msds):
+        set_model_state_dict(part, msd)
     if w.osd is not None:
         _set_hparams(w)
-        set_optimizer_state_dict(w.model, w.optimizer, w.osd)
+        for part, opt, osd in zip(w.parts, w.optimizers, w.osds):
+            set_optimizer_state_dict(part, opt, osd)
 
 
 def _set_hparams(w: _Work) -> None:
@@ -381,9 +432,16 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
     )
 
     options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(w.model, cast(Any, full), options=options)
+    for part, msd in zip(w.parts, w.msds):
+        mine = {k: v for k, v in full.items() if k in msd}
+        set_model_state_dict(part, cast(Any, mine), options=options)
     if osd is not None:
-        set_optimizer_state_dict(w.model, w.optimizer, osd, options=options)
+        for part, opt, own in zip(w.parts, w.optimizers, w.osds):
+            mine = {
+                "state": {k: v for k, v in osd["state"].items() if k in own["state"]},
+                "param_groups": own["param_groups"],
+            }
+            set_optimizer_state_dict(part, opt, mine, options=options)
 
 
 def _whole(entry: Any) -> Region:
@@ -391,7 +449,7 @@ def _whole(entry: Any) -> Region:
 
 
 def check_against_manifest(
-    model: torch.nn.Module,
+    model: Any,
     manifest: Manifest,
     where: str | os.PathLike[str],
     *,

@@ -25,7 +25,7 @@ from fsdpcheck.collectives import Comm, agree, distinct
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
-from fsdpcheck.live import inner_optimizers
+from fsdpcheck.live import inner_optimizers, model_parts
 from fsdpcheck.manifest import (
     Manifest,
     ManifestEntry,
@@ -43,7 +43,7 @@ __all__ = ["build_manifest", "dcp_saves", "save", "stale_reason", "write_checkpo
 
 
 def save(
-    model: torch.nn.Module,
+    model: Any,
     path: str | os.PathLike[str],
     *,
     optimizer: Any = None,
@@ -62,7 +62,7 @@ def save(
     larger save never mix into a new one. A symlinked target is written through.
 
     Args:
-        model: The (sharded) model.
+        model: The (sharded) model, or the model parts this rank runs (pipeline stages).
         path: The checkpoint directory (must not exist or be empty, unless `overwrite`).
         optimizer: Its optimizer (or a wrapper of several), saved too when given. It must hold
             state (have stepped): fsdpcheck never initialises an optimizer's state.
@@ -166,14 +166,41 @@ def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, comm: C
         raise RuntimeError(message) from None
 
 
-def _save_state(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+def _save_state(model: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """The state dict to save: every model part's, optimizer state flattened per parameter.
 
-    if optimizers:
+    NOTE: [flattened optimizer state] Hyperparameters are saved per parameter
+    (``optim.param_groups.<fqn>.<name>``, torch's ``flatten_optimizer_state_dict``), not per
+    group index: pipeline stages each have a group 0, and DCP keeps one value per key, so
+    grouped by index every stage but one would lose its hyperparameters.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    parts = model_parts(model)
+    if parts is None:
+        raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
+    msd: dict[str, Any] = {}
+    for part in parts:
+        msd.update(get_model_state_dict(part))
+    if not optimizers:
+        return {"model": msd}
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    if len(parts) == 1:
         opt: Any = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
-        msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd}
-    return {"model": get_model_state_dict(model)}
+        return {"model": msd, "optim": get_optimizer_state_dict(parts[0], opt, options=flat)}
+    if len(optimizers) != len(parts):
+        raise ValueError(
+            f"{len(parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per "
+            "part, in the same order (torchtitan's OptimizersContainer does)"
+        )
+    osd: dict[str, Any] = {}
+    for part, opt in zip(parts, optimizers):
+        osd.update(get_optimizer_state_dict(part, opt, options=flat))
+    return {"model": msd, "optim": osd}
 
 
 def build_manifest(
@@ -192,22 +219,20 @@ def build_manifest(
             manifest's folder.
     """
     keys = checkpoint_keys(source)
-    listed = [n for n in fps.layouts if n not in fps.tied]
+    listed = [n for n in fps.metas if n not in fps.tied]
     by_name, unpaired = matching.match_names(
         listed, keys, order=fps.order, read_objects=source.read_objects
     )
     entries: dict[str, ManifestEntry] = {}
     meshes: set[str] = set()
-    for name, lay in sorted(fps.layouts.items()):  # the layouts the fingerprint pass computed
+    for lay in fps.layouts.values():  # this rank's layouts (a pipeline stage's meshes only)
         if "DTensor" in lay.description:
             meshes.add(lay.description.split(" on mesh ")[-1])
+    for name, meta in sorted(fps.metas.items()):  # every key of the job
         if name in fps.tied or name not in by_name:
             continue  # listed once, under the name it is tied to; or not in the checkpoint
         entries[name] = ManifestEntry(
-            by_name[name],
-            tuple(lay.global_shape),
-            str(lay.dtype).removeprefix("torch."),
-            fps.fingerprints.get(name),
+            by_name[name], tuple(meta.shape), meta.dtype, fps.fingerprints.get(name)
         )
     return Manifest(
         kind="sharded" if source.is_sharded else "full",
@@ -225,7 +250,7 @@ def build_manifest(
 
 
 def write_checkpoint_manifest(
-    model: torch.nn.Module,
+    model: Any,
     folder: str | os.PathLike[str],
     *,
     optimizer: Any = None,

@@ -531,4 +531,4 @@ def test_a_failed_dcp_read_inside_load_names_the_file_and_key(tmp_path):
     assert "\n" not in text and "FrameSummary" not in text and "Traceback" not in text
     # Read while pairing (agreed on by every rank), before any byte reaches the model.
     assert text.startswith(f"pairing {ck} with the model failed: ")
-    assert f"{f}: optim.param_groups.0.lr cannot be loaded weights_only" in text
+    assert f"{f}: optim.param_groups." in text and "lr cannot be loaded weights_only" in text

@@ -56,7 +56,7 @@ def test_inspect(ckpts, capsys):
     info = json.loads(out)
     assert info["kind"] == "sharded" and info["optimizer_params"] == 4
     assert info["layout"] == "fsdpcheck" and info["model_tensors"] == 4
-    assert info["optimizer_tensors"] == 12 and info["param_groups"] == 1
+    assert info["optimizer_tensors"] == 12 and info["param_groups"] == 4  # per parameter
     assert {t["key"] for t in info["tensors"]} >= {"model.0.weight", "optim.state.0.bias.step"}
     code, out, _ = run(capsys, "inspect", str(ckpts / "good.safetensors"), "--json")
     assert json.loads(out)["kind"] == "full"

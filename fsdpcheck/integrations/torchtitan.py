@@ -53,8 +53,9 @@ def verify_after_load(
     Args:
         checkpointer: The ``CheckpointManager``.
         step: The step given to ``load`` (-1: the latest).
-        model_parts: The model parts (default: those the checkpointer holds). One part is
-            supported: pipeline stages hold different keys on different ranks.
+        model_parts: The model parts (default: those the checkpointer holds): one, or the
+            pipeline stages this rank runs (ranks of different stages hold different keys;
+            each key is checked on the ranks that hold it, with one verdict for the job).
         optimizers: The ``OptimizersContainer`` (default: the checkpointer's).
         group: The process group.
         **verify_kwargs: Passed to ``fsdpcheck.verify`` when the folder has no manifest.
@@ -64,20 +65,14 @@ def verify_after_load(
         (a fresh start, or a disabled checkpointer).
 
     Raises:
-        ValueError: On every rank, for several model parts, or a load from Hugging Face
-            safetensors (converted by a state dict adapter, so names and dtypes differ).
+        ValueError: On every rank, for a load from Hugging Face safetensors (converted by a
+            state dict adapter, so names and dtypes differ).
     """
     comm = Comm(group)
     if not getattr(checkpointer, "enable", False):
         return Report(world_size=comm.world, notes=["the checkpointer is disabled: nothing loaded"])
     states = checkpointer.states
     parts = model_parts if model_parts is not None else states["model"].model
-    if len(parts) != 1:
-        raise ValueError(
-            f"verify_after_load checks one model part, got {len(parts)} (pipeline parallel "
-            "stages hold different keys on different ranks); verify each stage with "
-            "fsdpcheck.verify(part, step_folder, group=<the stage's group>)"
-        )
     folder, model_only = agree(
         comm, lambda: _loaded_folder(checkpointer, step), "finding the checkpoint torchtitan loaded"
     )
@@ -90,7 +85,8 @@ def verify_after_load(
             "and a key_map instead"
         )
     optimizer = None if model_only else _optimizers(checkpointer, optimizers)
-    report = verify_resumed(parts[0], folder, optimizer=optimizer, group=group, **verify_kwargs)
+    model = parts[0] if len(parts) == 1 else list(parts)
+    report = verify_resumed(model, folder, optimizer=optimizer, group=group, **verify_kwargs)
     report.notes.insert(0, f"torchtitan loaded {folder}" + (" (model only)" if model_only else ""))
     return report
 
@@ -149,8 +145,6 @@ def write_step_manifest(
         The manifest (identical on every rank).
     """
     parts = model_parts if model_parts is not None else checkpointer.states["model"].model
-    if len(parts) != 1:
-        raise ValueError(f"write_step_manifest handles one model part, got {len(parts)}")
     optimizer = _optimizers(checkpointer, optimizers)
     if (
         getattr(checkpointer, "async_mode", None) is not None
@@ -160,7 +154,8 @@ def write_step_manifest(
         # appear once the folder is complete.
         checkpointer.maybe_wait_for_saving()
     where = Path(checkpointer.folder) / f"step-{step}"
-    return write_checkpoint_manifest(parts[0], where, optimizer=optimizer, group=group)
+    model = parts[0] if len(parts) == 1 else list(parts)
+    return write_checkpoint_manifest(model, where, optimizer=optimizer, group=group)
 
 
 def save_manifests(checkpointer: Any, *, group: Any = None) -> Any:
