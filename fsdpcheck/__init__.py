@@ -15,11 +15,15 @@ from fsdpcheck._version import __version__
 _EXPORTS = {
     "audit": "fsdpcheck.auditing",
     "Box": "fsdpcheck.box",
-    "CheckpointKindError": "fsdpcheck.loading",
+    "CheckpointError": "fsdpcheck.errors",
+    "CheckpointKindError": "fsdpcheck.errors",
+    "FsdpcheckError": "fsdpcheck.errors",
+    "RankStoppedError": "fsdpcheck.errors",
+    "prefix_rules": "fsdpcheck.matching",
     "load": "fsdpcheck.loading",
     "save": "fsdpcheck.saving",
     "compare_checkpoints": "fsdpcheck.comparison",
-    "FingerprintError": "fsdpcheck.fingerprints",
+    "FingerprintError": "fsdpcheck.errors",
     "check_replicas": "fsdpcheck.fingerprints",
     "fingerprint": "fsdpcheck.fingerprints",
     "fingerprint_checkpoint": "fsdpcheck.fingerprints",
@@ -32,12 +36,12 @@ _EXPORTS = {
     "fingerprint_tensor": "fsdpcheck.kernels",
     "fingerprint_tensors": "fsdpcheck.kernels",
     "Manifest": "fsdpcheck.manifest",
-    "ManifestError": "fsdpcheck.manifest",
+    "ManifestError": "fsdpcheck.errors",
     "read_manifest": "fsdpcheck.manifest",
     "Finding": "fsdpcheck.report",
     "MappingRow": "fsdpcheck.report",
     "Report": "fsdpcheck.report",
-    "VerificationError": "fsdpcheck.report",
+    "VerificationError": "fsdpcheck.errors",
     "verify": "fsdpcheck.verification",
     "ReplicaWatch": "fsdpcheck.watch",
 }
@@ -45,13 +49,16 @@ _EXPORTS = {
 __all__ = [
     "SUPPORTED_DTYPES",
     "Box",
+    "CheckpointError",
     "CheckpointInfo",
     "CheckpointKindError",
     "Finding",
     "FingerprintError",
+    "FsdpcheckError",
     "Manifest",
     "ManifestError",
     "MappingRow",
+    "RankStoppedError",
     "ReplicaWatch",
     "Report",
     "TensorDiff",
@@ -68,6 +75,7 @@ __all__ = [
     "fingerprint_tensor",
     "fingerprint_tensors",
     "load",
+    "prefix_rules",
     "read_manifest",
     "save",
     "verify",
@@ -91,12 +99,16 @@ if TYPE_CHECKING:
     from fsdpcheck.auditing import audit
     from fsdpcheck.box import Box
     from fsdpcheck.comparison import compare_checkpoints
-    from fsdpcheck.fingerprints import (
+    from fsdpcheck.errors import (
+        CheckpointError,
+        CheckpointKindError,
         FingerprintError,
-        check_replicas,
-        fingerprint,
-        fingerprint_checkpoint,
+        FsdpcheckError,
+        ManifestError,
+        RankStoppedError,
+        VerificationError,
     )
+    from fsdpcheck.fingerprints import check_replicas, fingerprint, fingerprint_checkpoint
     from fsdpcheck.formats import CheckpointInfo, describe_path
     from fsdpcheck.kernels import (
         SUPPORTED_DTYPES,
@@ -106,9 +118,10 @@ if TYPE_CHECKING:
         fingerprint_tensor,
         fingerprint_tensors,
     )
-    from fsdpcheck.loading import CheckpointKindError, load
-    from fsdpcheck.manifest import Manifest, ManifestError, read_manifest
-    from fsdpcheck.report import Finding, MappingRow, Report, VerificationError
+    from fsdpcheck.loading import load
+    from fsdpcheck.manifest import Manifest, read_manifest
+    from fsdpcheck.matching import prefix_rules
+    from fsdpcheck.report import Finding, MappingRow, Report
     from fsdpcheck.saving import save
     from fsdpcheck.verification import verify
     from fsdpcheck.watch import ReplicaWatch

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fsdpcheck.errors import UnsafePickleError as UnsafePickleError
+
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # module -> names admitted (classes built by NEWOBJ/BUILD or called by REDUCE with plain args).
 ADMITTED: dict[str, frozenset[str]] = {
@@ -60,18 +62,6 @@ _PATHS = {
     "Path": pathlib.PurePath,
     "PurePath": pathlib.PurePath,
 }
-
-
-class UnsafePickleError(pickle.UnpicklingError, ValueError):
-    """A pickle names a class or function outside the allowlist; nothing of it was run."""
-
-    def __init__(self, message: str) -> None:
-        # The names come from the file: escape line breaks and control characters.
-        if not message.isprintable():
-            message = "".join(
-                c if c.isprintable() else c.encode("unicode_escape").decode() for c in message
-            )
-        super().__init__(message)
 
 
 def _torch_value(name: str) -> Any:

@@ -7,12 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.errors import describe_error
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, KeyGrammar, describe_path, grammar_of, is_dcp_dir
 from fsdpcheck.keys import CheckpointKeys, checkpoint_keys, keys_from_entries, merge_into
 from fsdpcheck.manifest import MANIFEST_NAME, read_manifest
 from fsdpcheck.names import optim_key
-from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sources import open_part
 from fsdpcheck.sources.base import Entry

@@ -25,7 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from fsdpcheck.report import render, shown
+from fsdpcheck.errors import shown
+from fsdpcheck.report import render
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
 def _one_line(exc: BaseException) -> str:
     """The error in fsdpcheck's words: one line, its root cause named, nothing raw from a file."""
-    from fsdpcheck.report import describe_error
+    from fsdpcheck.errors import describe_error
 
     text = describe_error(exc)
     if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:

@@ -42,10 +42,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdpcheck.errors import REGISTRY, RankStoppedError, describe_error, shown, type_name
 from fsdpcheck.kernels import MASK64
-from fsdpcheck.manifest import ManifestError
-from fsdpcheck.report import Finding, describe_error, shown
-from fsdpcheck.sources.base import CheckpointError, CoverageError
+from fsdpcheck.report import Finding
 from fsdpcheck.stats import COUNTS, Combined, KeyStats
 
 __all__ = [
@@ -69,14 +68,6 @@ _LO = (1 << 32) - 1
 MAX_DISTINCT = 64
 #: Keys whose disagreeing copies are looked up rank by rank (the rest are named without ranks).
 REPLICA_DETAIL = 8
-
-
-class RankStoppedError(RuntimeError):
-    """A rank stopped answering in the middle of a collective (it died, or hangs elsewhere).
-
-    Raised on every rank that still answers, with the same message: the rank(s) that did not,
-    the step, and the transport's reason ("connection reset by peer", ...).
-    """
 
 
 class Comm:
@@ -433,7 +424,7 @@ def agree(comm: Comm, fn: Callable[[], T], what: str) -> T:
             raise
         # The failing rank's `what` travels too: it may name a path only that rank was given,
         # and every rank must raise the same text.
-        error = (_error_type(exc), describe_error(exc), what)
+        error = (type_name(exc), describe_error(exc), what)
     if not any_rank(comm, error is not None):
         return result
     groups, past = distinct(comm, error)
@@ -446,36 +437,11 @@ def agree(comm: Comm, fn: Callable[[], T], what: str) -> T:
     more = [r for r in ranks if r != rank] + past
     others = f" (and on ranks {_ranks_text(more)})" if more else ""
     where = f" on rank {rank}{others}" if comm.world > 1 else ""
-    raise _ERROR_TYPES.get(kind, RuntimeError)(f"{first_what} failed{where}: {message}")
+    raise REGISTRY.get(kind, RuntimeError)(f"{first_what} failed{where}: {message}")
 
 
 def _ranks_text(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 16 else f"{ranks[:16]} and {len(ranks) - 16} more"
-
-
-# Exception types agree() raises as themselves on every rank (others become RuntimeError).
-_ERROR_TYPES: dict[str, type[Exception]] = {
-    t.__name__: t
-    for t in (
-        FileNotFoundError,
-        FileExistsError,
-        PermissionError,
-        IsADirectoryError,
-        NotADirectoryError,
-        ValueError,
-        TypeError,
-        CheckpointError,
-        CoverageError,
-        ManifestError,
-    )
-}
-
-
-def _error_type(exc: BaseException) -> str:
-    for t in type(exc).__mro__:
-        if t.__name__ in _ERROR_TYPES and _ERROR_TYPES[t.__name__] is t:
-            return t.__name__
-    return "RuntimeError"
 
 
 # -------------------------------------------------------------------------------------------

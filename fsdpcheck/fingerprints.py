@@ -19,11 +19,12 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
+from fsdpcheck.errors import FingerprintError, describe_error
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.readplan import batches, row_blocks
-from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.sources import Region, Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
 
 # The live side (collectives, layouts, the model walk, torch.distributed) is imported where it
 # is used: fingerprinting a checkpoint on disk needs none of it (~7 ms of a command's start).
-
-
-class FingerprintError(ValueError):
-    """A value cannot be fingerprinted (a Partial placement, a layout that is not a box, ...)."""
 
 
 @dataclass

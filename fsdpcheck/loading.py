@@ -17,25 +17,21 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.collectives import Comm, agree, digest, distinct
+from fsdpcheck.errors import CheckpointError, CheckpointKindError, describe_error, root_cause
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer, model_parts
 from fsdpcheck.manifest import Manifest, read_manifest
-from fsdpcheck.report import Finding, MappingRow, Report, describe_error, normalized, root_cause
+from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, open_source, refuse_problems
-from fsdpcheck.sources.base import CheckpointError
 from fsdpcheck.verification import verify as verify_full
 
 __all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "check_against_manifest", "load"]
 
 CHECKPOINT_KINDS = ("sharded", "full")
-
-
-class CheckpointKindError(ValueError):
-    """The checkpoint is not of the kind the caller insisted on (nothing was loaded)."""
 
 
 # -------------------------------------------------------------------------------------------

@@ -19,16 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.errors import ManifestError as ManifestError
+
 MANIFEST_NAME = "fsdpcheck_manifest.json"
 MANIFEST_FORMAT = "fsdpcheck-manifest"
 MANIFEST_VERSION = 1
 _MAX_BYTES = 256 << 20  # a manifest of a 10**6-tensor checkpoint is ~200 MB; refuse beyond
 # Leftovers of a manifest write that was killed before its rename (cleaned by the next write).
 _TMP_PREFIX = f".{MANIFEST_NAME}.tmp-"
-
-
-class ManifestError(ValueError):
-    """A manifest that is not valid (the message names the file and the field)."""
 
 
 @dataclass(frozen=True)

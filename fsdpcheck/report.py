@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
-import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from fsdpcheck.errors import VerificationError as VerificationError
+from fsdpcheck.errors import describe_error as describe_error
+from fsdpcheck.errors import root_cause as root_cause
+from fsdpcheck.errors import shown
 
 # Finding kinds, in the order a report lists them for one key.
 KINDS = (
@@ -27,25 +31,6 @@ _ORDER = {k: i for i, k in enumerate(KINDS)}
 STATUSES = ("compared", "tied", "missing", "unexpected", "skipped", "ignored")
 
 
-def shown(text: object) -> str:
-    r"""`text` as it may reach a terminal: every character that is not printable made visible.
-
-    Line breaks, carriage returns, NUL, ESC (colour and cursor codes), bidi overrides and other
-    control or format characters, lone surrogates (undecodable file names) and separators other
-    than the space become Python escapes (``\n``, ``\x1b``, ``\u202e``), so a key, a path or a
-    message read from a file can neither start a line, nor rewrite one, nor colour one.
-    Backslashes stay as they are, so applying it twice changes nothing.
-    """
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else _escaped(c) for c in s)
-
-
-def _escaped(c: str) -> str:
-    return c.encode("unicode_escape", "backslashreplace").decode("ascii")
-
-
 def render(lines: Iterable[object]) -> str:
     """Human output from raw lines: each line `shown`, then joined.
 
@@ -55,76 +40,6 @@ def render(lines: Iterable[object]) -> str:
     terminal. The only line breaks in the result are the ones between `lines`.
     """
     return "\n".join(shown(line) for line in lines)
-
-
-def describe_error(exc: BaseException) -> str:
-    """An exception in one line, in words: the root cause named, no repr, no traceback.
-
-    A DCP ``CheckpointException`` is unwrapped to the first failing rank's own exception, and a
-    library error to the system error it swallowed (`root_cause`); an OSError becomes its file
-    and its system message ("No space left on device"); fsdpcheck's own errors and the usual
-    unreadable-input types are their message alone, escaped (`shown`); anything else (a bug)
-    keeps its type, its first line and where it was raised.
-    """
-    _, exc = root_cause(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        where = f"{exc.filename}: " if exc.filename is not None else ""
-        return shown(f"{where}{exc.strerror}")
-    text = str(exc).strip()
-    if isinstance(exc, _WORDS_SUFFICE) and not isinstance(exc, KeyError) and text:
-        # Written for people, often with a path in it: whole (a line break in a file name is
-        # data, shown escaped), up to a length.
-        return _capped(shown(text))
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    first = _capped(lines[0].strip()) if lines else ""
-    if len(lines) > 1 and not first.endswith(" ..."):
-        first += " ..."  # other libraries' messages can span a page: their first line
-    tb = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    loc = f" (at {tb[0].filename.rsplit('/', 1)[-1]}:{tb[0].lineno})" if tb else ""
-    return shown(f"{type(exc).__name__}{': ' if first else ''}{first}{loc}")
-
-
-def _capped(text: str, limit: int = 400) -> str:
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
-# Exceptions whose message says what happened without their type's name.
-_WORDS_SUFFICE = (OSError, ValueError, TypeError, LookupError)
-
-
-def root_cause(exc: BaseException) -> tuple[int | None, BaseException]:
-    """(rank, exception): what really failed, and on which rank when DCP says.
-
-    DCP gathers every rank's failure into one exception whose text is a traceback per rank and
-    whose ``failures`` map ranks to ``(exception, stack summary)`` pairs (older torch: objects
-    with ``.exc``): the first failing rank's own exception is taken. An error raised while
-    handling a system error (torch's zip writer reports a full disk as "unexpected pos 704 vs
-    598" while the OSError it swallowed is its context) gives way to that OSError, unless its
-    raiser replaced it on purpose (``raise ... from None``) or wrote it for people (fsdpcheck's
-    errors, OSError, ValueError, ...). No rank: None.
-    """
-    rank = None
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner: Any = failures[rank]
-        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-            inner = inner[0]
-        inner = getattr(inner, "exc", None) or inner
-        if isinstance(inner, BaseException):
-            exc = inner
-    if isinstance(exc, _WORDS_SUFFICE):  # a message written for people already
-        return rank, exc
-    seen = {id(exc)}
-    link: BaseException | None = exc
-    while link is not None:
-        if isinstance(link, OSError) and link.errno is not None and link is not exc:
-            return rank, link
-        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
-        if link is not None and id(link) in seen:
-            break
-        seen.add(id(link))
-    return rank, exc
 
 
 @dataclass
@@ -148,10 +63,6 @@ class MappingRow:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"unknown mapping status {self.status!r}")
-
-
-class VerificationError(AssertionError):
-    """Raised by ``Report.raise_if_failed``; its message is the report."""
 
 
 @dataclass

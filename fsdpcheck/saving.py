@@ -22,6 +22,7 @@ import torch
 
 from fsdpcheck import _version, matching
 from fsdpcheck.collectives import Comm, agree, distinct
+from fsdpcheck.errors import describe_error, root_cause
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
@@ -34,7 +35,7 @@ from fsdpcheck.manifest import (
     sha256_of,
     write_manifest,
 )
-from fsdpcheck.report import describe_error, normalized, root_cause
+from fsdpcheck.report import normalized
 from fsdpcheck.sources import Source, open_source
 from fsdpcheck.sources.dcp import DCPSource
 from fsdpcheck.sources.dcp_metadata import METADATA_FILE, read_dcp_metadata

@@ -25,13 +25,14 @@ import torch
 from fsdpcheck import matching
 from fsdpcheck.box import Box
 from fsdpcheck.collectives import Comm, combine, digest, distinct, gather_findings, same_everywhere
+from fsdpcheck.errors import describe_error
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.keyset import KeySet, agree_keys
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState, live_state
 from fsdpcheck.readplan import Arena, row_blocks
-from fsdpcheck.report import Finding, Report, describe_error, normalized
+from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.sources import Region, Source, checkpoint_notes, open_source
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered

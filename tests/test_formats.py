@@ -166,3 +166,29 @@ def test_prefix_rules_parse_and_refuse():
         matching.prefix_rules(["model."])
     with pytest.raises(ValueError, match="changes nothing"):
         matching.prefix_rules(["x.=x."])
+
+
+def test_public_api_is_listed_once_everywhere():
+    import ast
+    import inspect
+
+    import fsdpcheck
+    import fsdpcheck.errors as errors
+
+    source = inspect.getsource(fsdpcheck)
+    tree = ast.parse(source)
+    typed: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            for imp in node.body:
+                typed |= {a.asname or a.name for a in imp.names}  # type: ignore[attr-defined]
+    exported = set(fsdpcheck._EXPORTS)
+    assert set(fsdpcheck.__all__) - {"__version__"} == exported == typed
+    for name in exported:
+        assert getattr(fsdpcheck, name) is not None
+    # Every exception fsdpcheck raises on purpose is one of the vocabulary's.
+    for name in ("CheckpointError", "ManifestError", "FingerprintError", "CheckpointKindError",
+                 "RankStoppedError", "VerificationError"):  # fmt: skip
+        assert issubclass(getattr(fsdpcheck, name), errors.FsdpcheckError)
+    assert issubclass(fsdpcheck.CheckpointError, ValueError)
+    assert issubclass(fsdpcheck.RankStoppedError, RuntimeError)

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from fsdpcheck.errors import CheckpointError
 from fsdpcheck.formats import CheckpointInfo, describe_path
-from fsdpcheck.sources.base import CheckpointError, Entry, Region, Source
+from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
 

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+# CheckpointError and CoverageError live in fsdpcheck.errors; readers import them from here too.
+from fsdpcheck.errors import CheckpointError as CheckpointError
+from fsdpcheck.errors import CoverageError as CoverageError
+from fsdpcheck.errors import shown
+
 if TYPE_CHECKING:
     from fsdpcheck.formats.base import CheckpointInfo
 
@@ -23,30 +28,9 @@ if TYPE_CHECKING:
 Problem = tuple[str, str, str]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file is malformed, inconsistent or refused: unreadable input.
-
-    The message is one line naming the file (and the key where there is one). It is not a
-    verdict on the values. Names taken from a file (keys, paths, class names) may hold line
-    breaks or control characters: they are escaped, so the message stays one printable line.
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__(printable(message))
-
-
-class CoverageError(CheckpointError):
-    """A read asked for a region of a tensor that no saved chunk covers (a gap).
-
-    There is no data to return, and an uninitialised buffer is never returned instead.
-    """
-
-
 def printable(text: str) -> str:
-    """`text` with line breaks and other control characters escaped as Python escapes."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    """`text` with line breaks and other control characters made visible (``errors.shown``)."""
+    return shown(text)
 
 
 def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:

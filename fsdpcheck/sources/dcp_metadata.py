@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from fsdpcheck._unpickle import ADMITTED, UnsafePickleError, restricted_loads
-from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, file_problem, one_line
+from fsdpcheck._unpickle import ADMITTED, restricted_loads
+from fsdpcheck.errors import CheckpointError, UnsafePickleError
+from fsdpcheck.sources.base import Problem, check_regular, file_problem, one_line
 from fsdpcheck.sources.base import show_value as _show
 from fsdpcheck.sources.tiling import tiling_problems
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fsdpcheck._unpickle import on_a_deep_stack
-from fsdpcheck.sources.base import CheckpointError
+from fsdpcheck.errors import CheckpointError
 
 PAGE = mmap.PAGESIZE
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header (30 bytes)

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fsdpcheck._unpickle import load_weights_only
-from fsdpcheck.sources.base import CheckpointError, check_regular, one_line
+from fsdpcheck.errors import CheckpointError
+from fsdpcheck.sources.base import check_regular, one_line
 from fsdpcheck.sources.dcp_metadata import (
     StorageCheck,
     check_storage,
