@@ -109,7 +109,7 @@ class PrefixRules:
                 raise ValueError(f"key map rule {old!r}={new!r} changes nothing")
 
     def __call__(self, name: str) -> str | None:
-        """The renamed name, or None... never: unmatched names raise KeyError-free defaults."""
+        """`name` with the first matching rule applied (a key map is callable)."""
         return self.rename(name)
 
     def rename(self, name: str) -> str:
