@@ -310,11 +310,6 @@ class _SimComm:
         self.bytes += 8 + len(pickle.dumps(obj, protocol=4))
         return pickle.loads(pickle.dumps(obj, protocol=4))
 
-    def all_gather_object(self, obj: Any, step: str = "") -> list[Any]:
-        self.calls += 2
-        self.bytes += 8 * self.world + len(pickle.dumps(obj)) * self.world
-        return [obj] * self.world
-
 
 def _combining(world: int, keys: int) -> Callable[[], _SimComm]:
     """What every checking entry point does with its per-key rows once the local work is done."""

@@ -20,6 +20,8 @@ gathered from every rank to every rank costs W x K per rank (6 GB at W = 4096, K
   the fingerprints and for a second hash of them; only keys where that fails are looked at rank
   by rank (a gather of 2 words per rank for each of at most ``REPLICA_DETAIL`` keys).
 - findings found locally: each distinct list once (``distinct``), capped at ``MAX_DISTINCT``.
+- and no gather of objects: ``all_gather_object`` pads every rank's pickle to the largest, so
+  each rank would receive W x the largest (``Comm`` offers none).
 
 So bytes received per rank are O(K) plus O(W) words, and identical reports come from identical
 data on every rank.
@@ -104,19 +106,6 @@ class Comm:
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def all_gather_object(self, obj: Any, step: str = "") -> list[Any]:
-        """Every rank's obj, in rank order (`step` names what it is for, in errors)."""
-        if not self.enabled:
-            return [obj]
-        try:
-            if self._polled:
-                return self._gather_objects(obj, step)
-            out: list[Any] = [None] * self.world
-            dist.all_gather_object(out, obj, group=self.group)
-            return out
-        except RuntimeError as exc:
-            raise self._stopped(exc, "all_gather_object", step) from None
-
     def all_reduce(self, t: torch.Tensor, op: Any, step: str = "") -> torch.Tensor:
         """All-reduce of a CPU tensor (moved to the backend's device and back)."""
         if not self.enabled:
@@ -175,20 +164,6 @@ class Comm:
         return pickle.loads(ctypes.string_at(host.data_ptr(), host.numel()))
 
     # -- gloo, polled -----------------------------------------------------------------------
-    def _gather_objects(self, obj: Any, step: str) -> list[Any]:
-        # dist.all_gather_object's two all-gathers (sizes, then padded pickles), made
-        # asynchronously so that `_wait` can poll; and without numpy.
-        data = pickle.dumps(obj)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
-        lengths = [int(n) for n in sizes]
-        buf = torch.zeros(max(lengths), dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty_like(buf) for _ in range(self.world)]
-        self._wait(dist.all_gather(outs, buf, group=self.group, async_op=True))
-        return [pickle.loads(ctypes.string_at(o.data_ptr(), n)) for o, n in zip(outs, lengths)]
-
     def _wait(self, work: Any) -> None:
         if not self._polled:
             work.wait()

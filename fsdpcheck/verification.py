@@ -1,14 +1,16 @@
 """fsdpcheck.verify: every rank's shards (model and optimizer) against a reference checkpoint.
 
-The protocol, identical on every rank whatever happens locally (so no rank waits forever):
-1. prepare (local): read the live state, open the reference, match keys (``matching``), check
-   layouts, shapes and dtypes; any exception becomes a message.
-2. gather (one all_gather_object): every rank's setup error and a digest of its matched keys;
-   any error, or ranks that disagree, ends the call on every rank with the same report.
-3. compare (local): read the reference under the memory budget, one fused kernel per batch.
-4. combine (4 all-reduces + 1 all-gather): the statistics, and every rank's findings. There is
-   one channel for findings: everything found locally (key checks, layouts, read failures,
-   param_groups) travels in that gather, so every rank builds the same report.
+The protocol, identical on every rank whatever happens locally (so no rank waits forever), with
+O(keys) bytes received per rank at any world size (NOTE: [bytes per rank] in ``collectives``):
+1. open (local): read the live state and open the reference; any exception becomes a message.
+2. agree (``keyset.agree_keys``: one all-reduce when every rank holds the same keys): the job's
+   keys, every rank's setup error, the checkpoint each rank opened; any error, or ranks that
+   see different checkpoints, ends the call on every rank with the same report.
+3. prepare (local): pair the job's names (``matching``), check layouts, shapes and dtypes; one
+   all-reduce checks that every rank paired the same.
+4. compare (local): read the reference under the memory budget, one fused kernel per batch.
+5. combine (``collectives.combine``: all-reduces of one row per key) and the findings found
+   locally (``gather_findings``: each distinct list once), so every rank builds the same report.
 """
 
 from __future__ import annotations
