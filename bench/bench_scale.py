@@ -46,22 +46,10 @@ from fsdpcheck._spawn import spawn
 
 # Every tensor of the bench models: 8 rows (one per rank at W = 8), 4 columns of fp32.
 SHAPE = (8, 4)
-ENTRY_POINTS = (
-    "save",
-    "verify",
-    "fingerprint",
-    "check_replicas",
-    "ReplicaWatch.step",
-    "load(verify='fingerprint')",
-    "load(verify='full')",
-    "write_checkpoint_manifest",
-    "torchtitan save + manifest",
-    "torchtitan verify_after_load",
-)
 
 
 def many_tensors(keys: int, seed: int = 0) -> torch.nn.Module:
-    """A model of `keys` small parameters (``p0`` ... ``p<keys-1>``), the sum of all as output."""
+    """A model of `keys` small parameters (``p.0`` ... ``p.<keys-1>``), their sum as output."""
 
     class Many(torch.nn.Module):
         def __init__(self) -> None:
@@ -89,6 +77,7 @@ def _counted_rank(rank: int, world: int, port: int, keys: int, workdir: str, tit
 
     import fsdpcheck
     from fsdpcheck.saving import write_checkpoint_manifest
+    from fsdpcheck.testing import plant
     from fsdpcheck.testing.collectives import count_collectives
 
     root = Path(workdir)
@@ -114,6 +103,11 @@ def _counted_rank(rank: int, world: int, port: int, keys: int, workdir: str, tit
     entry("verify", lambda: fsdpcheck.verify(model, ck))
     entry("fingerprint", lambda: fsdpcheck.fingerprint(model))
     entry("check_replicas", lambda: fsdpcheck.check_replicas(model))
+    # A plain copy on every rank, one element changed on rank 1: the ranks holding each version
+    # of that key are looked up (a gather of 2 words per rank: the O(W) part).
+    replicas = many_tensors(keys)
+    with plant(replicas.get_parameter("p.0"), 0, on_rank=1):
+        entry("check_replicas, 1 differs", lambda: fsdpcheck.check_replicas(replicas))
     watch = fsdpcheck.ReplicaWatch(model, every=1)
     entry("ReplicaWatch.step", watch.step)
     entry("load(verify='fingerprint')", lambda: fsdpcheck.load(model, ck, verify="fingerprint"))
@@ -430,17 +424,18 @@ def per_key_costs(keys: int, fp_keys: int, reps: int) -> dict[str, Any]:
             "verify": lambda: fsdpcheck.verify(state, path),
             "compare_checkpoints": lambda: fsdpcheck.compare_checkpoints(path, path),
         }
-        times: dict[str, list[float]] = {k: [] for k in runs}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
         oks: dict[str, bool] = {}
         for _ in range(reps):  # interleaved, so that a busy moment does not favour one
             for name, fn in runs.items():
                 gc.collect()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 value = fn()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append((time.perf_counter() - t0, time.process_time() - c0))
                 if value is not None:
                     oks[name] = bool(value.ok)
-    out["s"] = {k: min(v) for k, v in times.items()}
+    out["s"] = {k: min(w for w, _ in v) for k, v in times.items()}
+    out["cpu_s"] = {k: min(c for _, c in v) for k, v in times.items()}
     out["ok"] = oks
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_fingerprint_rank, 1, (fp_keys, reps, tmp))
@@ -458,37 +453,47 @@ def _fingerprint_rank(rank: int, world: int, port: int, keys: int, reps: int, ou
     plain = many_tensors(keys)
     sharded = many_tensors(keys)
     fully_shard(sharded)
-    times: dict[str, list[float]] = {"plain": [], "dtensor": []}
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "dtensor": []}
     same = True
     for _ in range(reps + 1):
         got = {}
         for name, model in (("plain", plain), ("dtensor", sharded)):
             gc.collect()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             got[name] = fsdpcheck.fingerprint(model)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((time.perf_counter() - t0, time.process_time() - c0))
         same = same and got["plain"] == got["dtensor"]
-    best = {k: min(v[1:]) for k, v in times.items()}  # the first of each warms the caches
-    result = {"keys": keys, "s": best, "same": same}
+    # The first of each warms the caches.
+    result = {
+        "keys": keys,
+        "s": {k: min(w for w, _ in v[1:]) for k, v in times.items()},
+        "cpu_s": {k: min(c for _, c in v[1:]) for k, v in times.items()},
+        "same": same,
+    }
     Path(out, "fp.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 def print_per_key(r: dict[str, Any]) -> None:
-    s = r["s"]
-    print(f"\n## Per-key costs, one process, {r['keys']} keys of 16 fp32 (best of the runs)")
+    s, cpu = r["s"], r["cpu_s"]
+    print(
+        f"\n## Per-key costs, one process, {r['keys']} keys of 16 fp32 (best of the runs; wall "
+        "time, and CPU time of the process: on a shared machine the steadier of the two)"
+    )
     for name in ("verify", "compare_checkpoints"):
         print(
-            f"{name:22s} {s[name]:7.2f} s = {s[name] / s['dcp.load']:.2f}x a bare dcp.load "
-            f"({s['dcp.load']:.2f} s)   ok={r['ok'].get(name)}"
+            f"{name:20s} wall {s[name]:6.2f} s = {s[name] / s['dcp.load']:.2f}x, CPU "
+            f"{cpu[name]:6.2f} s = {cpu[name] / cpu['dcp.load']:.2f}x a bare dcp.load (wall "
+            f"{s['dcp.load']:.2f} s, CPU {cpu['dcp.load']:.2f} s)   ok={r['ok'].get(name)}"
         )
     fp = r["fingerprint"]
-    per = {k: v / fp["keys"] * 1e6 for k, v in fp["s"].items()}
-    print(
-        f"fingerprint of {fp['keys']} keys: FSDP2 (DTensor) {per['dtensor']:.1f} us/key, plain "
-        f"{per['plain']:.1f} us/key: {per['dtensor'] / per['plain']:.2f}x   "
-        f"(same fingerprints: {fp['same']})"
-    )
+    for what in ("s", "cpu_s"):
+        per = {k: v / fp["keys"] * 1e6 for k, v in fp[what].items()}
+        print(
+            f"fingerprint of {fp['keys']} keys ({'wall' if what == 's' else 'CPU'}): FSDP2 "
+            f"(DTensor) {per['dtensor']:.1f} us/key, plain {per['plain']:.1f} us/key: "
+            f"{per['dtensor'] / per['plain']:.2f}x   (same fingerprints: {fp['same']})"
+        )
 
 
 # -------------------------------------------------------------------------------------------

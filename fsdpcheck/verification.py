@@ -26,7 +26,15 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
-from fsdpcheck.collectives import Comm, combine, digest, distinct, gather_findings, same_everywhere
+from fsdpcheck.collectives import (
+    Comm,
+    combine,
+    cyclic_gc_paused,
+    digest,
+    distinct,
+    gather_findings,
+    same_everywhere,
+)
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.keyset import KeySet, agree_keys
@@ -120,20 +128,21 @@ def verify(
     t0 = time.perf_counter()
     comm = Comm(group)
     live, source, ckpt, error = None, None, None, None
-    try:
-        live = live_state(model, optimizer)
-        source = open_source(reference)
-        ckpt = checkpoint_keys(source)
-    except Exception as exc:  # whatever happens here, every rank reaches the agreement below
-        error = describe_error(exc)
-    try:
-        return _verify(
-            comm, t0, live, source, ckpt, error, reference,
-            _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
-        )  # fmt: skip
-    finally:
-        if source is not None:
-            source.close()
+    with cyclic_gc_paused():
+        try:
+            live = live_state(model, optimizer)
+            source = open_source(reference)
+            ckpt = checkpoint_keys(source)
+        except Exception as exc:  # whatever happens here, every rank reaches the agreement below
+            error = describe_error(exc)
+        try:
+            return _verify(
+                comm, t0, live, source, ckpt, error, reference,
+                _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
+            )  # fmt: skip
+        finally:
+            if source is not None:
+                source.close()
 
 
 @dataclass(frozen=True)
@@ -389,22 +398,25 @@ def _compare_values(
             p_off = tuple(piece.box.offset)
             dev = piece.tensor.device
             mine = batches.setdefault(dev, [])
-            for part_off, part_size in _along_chunks(p_off, tuple(piece.tensor.shape), saved):
+            p_size = tuple(piece.tensor.shape)
+            for part_off, part_size in _along_chunks(p_off, p_size, saved):
                 for off, size in row_blocks(part_off, part_size, elsize, step):
-                    actual = piece.tensor
-                    for d, (o, n) in enumerate(zip(off, size)):
-                        if n != actual.shape[d]:
-                            actual = actual.narrow(d, o - p_off[d], n)
+                    actual, box = piece.tensor, piece.box
+                    if size != p_size:  # a part of the piece: its view, and its own box
+                        for d, (o, n) in enumerate(zip(off, size)):
+                            if n != actual.shape[d]:
+                                actual = actual.narrow(d, o - p_off[d], n)
+                        box = Box(piece.box.shape, off)
                     w = _Work(
                         i,
                         actual,
-                        Box(piece.box.shape, off),
+                        box,
                         Region(item.ckpt_key, off, size),
                         entry.dtype,
                         tol,
                         lay.replicated,
                     )
-                    nbytes = w.region.numel * elsize
+                    nbytes = math.prod(size) * elsize
                     if not mine or held[dev] + nbytes > step:
                         mine.append([])
                         held[dev] = 0
@@ -510,6 +522,13 @@ def _along_chunks(
     reading it raises the coverage error the report names.
     """
     piece = (offset, size)
+    if len(saved) <= 1:  # the chunk holds the piece, or reading it names what is missing
+        return [piece]
+    if offset:
+        # Only chunks meeting the piece's rows are intersected: a cheap test per saved chunk
+        # (a key saved by W ranks has W chunks) before the exact one.
+        lo, hi = offset[0], offset[0] + size[0]
+        saved = [c for c in saved if c[0][0] < hi and c[0][0] + c[1][0] > lo]
     parts = [c for c in (intersect(piece, (tuple(o), tuple(s))) for o, s in saved) if c]
     # Volumes adding up to the piece's and no part of it uncovered: the parts are disjoint.
     if (
