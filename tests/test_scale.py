@@ -143,3 +143,23 @@ def test_the_counter_counts_bytes_received(spawns: Spawns) -> None:
                 "all_gather_object": [1, 8 * world + pickled * world],
             }
             assert c["tests"]["calls"] == 4
+
+
+# The collectives of the checks themselves, pinned: verify agrees on the keys (1), on the
+# pairing (1), combines (4: the tie-break rounds run since the compared keys have maxima) and
+# gathers the local findings (1); a fingerprint pass has no maxima, so 2 rounds fewer.
+PINNED = {
+    "verify": {"all_reduce": 7},
+    "verify, a planted element": {"all_reduce": 7},
+    "fingerprint": {"all_reduce": 4},
+    "check_replicas": {"all_reduce": 4},
+    "ReplicaWatch.step": {"all_reduce": 4},
+}
+
+
+@pytest.mark.parametrize("entry", list(PINNED))
+def test_the_collectives_of_a_check(entry: str, spawns: Spawns) -> None:
+    for world in WORLDS:
+        for c in counts(spawns, world, entry):
+            calls = {op: n for op, (n, _) in c["fsdpcheck"]["ops"].items()}
+            assert calls == PINNED[entry], (world, calls)
