@@ -20,6 +20,8 @@ gathered from every rank to every rank costs W x K per rank (6 GB at W = 4096, K
   the fingerprints and for a second hash of them; only keys where that fails are looked at rank
   by rank (a gather of 2 words per rank for each of at most ``REPLICA_DETAIL`` keys).
 - findings found locally: each distinct list once (``distinct``), capped at ``MAX_DISTINCT``.
+- and no gather of objects: ``all_gather_object`` pads every rank's pickle to the largest, so
+  each rank would receive W x the largest (``Comm`` offers none).
 
 So bytes received per rank are O(K) plus O(W) words, and identical reports come from identical
 data on every rank.
@@ -27,15 +29,18 @@ data on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
+import gc
 import hashlib
+import math
 import os
 import pickle
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -55,6 +60,7 @@ __all__ = [
     "RankStoppedError",
     "agree",
     "combine",
+    "cyclic_gc_paused",
     "digest",
     "distinct",
     "gather_findings",
@@ -94,19 +100,6 @@ class Comm:
         self._polled = backend == "gloo"
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-
-    def all_gather_object(self, obj: Any, step: str = "") -> list[Any]:
-        """Every rank's obj, in rank order (`step` names what it is for, in errors)."""
-        if not self.enabled:
-            return [obj]
-        try:
-            if self._polled:
-                return self._gather_objects(obj, step)
-            out: list[Any] = [None] * self.world
-            dist.all_gather_object(out, obj, group=self.group)
-            return out
-        except RuntimeError as exc:
-            raise self._stopped(exc, "all_gather_object", step) from None
 
     def all_reduce(self, t: torch.Tensor, op: Any, step: str = "") -> torch.Tensor:
         """All-reduce of a CPU tensor (moved to the backend's device and back)."""
@@ -166,20 +159,6 @@ class Comm:
         return pickle.loads(ctypes.string_at(host.data_ptr(), host.numel()))
 
     # -- gloo, polled -----------------------------------------------------------------------
-    def _gather_objects(self, obj: Any, step: str) -> list[Any]:
-        # dist.all_gather_object's two all-gathers (sizes, then padded pickles), made
-        # asynchronously so that `_wait` can poll; and without numpy.
-        data = pickle.dumps(obj)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
-        lengths = [int(n) for n in sizes]
-        buf = torch.zeros(max(lengths), dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty_like(buf) for _ in range(self.world)]
-        self._wait(dist.all_gather(outs, buf, group=self.group, async_op=True))
-        return [pickle.loads(ctypes.string_at(o.data_ptr(), n)) for o, n in zip(outs, lengths)]
-
     def _wait(self, work: Any) -> None:
         if not self._polled:
             work.wait()
@@ -445,6 +424,28 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 # -------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Pauses CPython's cyclic garbage collector for a check's duration (restored after).
+
+    NOTE: [cyclic GC] A check allocates a few objects per key (entries, pairs, layouts, rows,
+    statistics) that live until it returns. The cyclic collector runs every 700 allocations and
+    its full collections traverse the whole heap, which these objects keep growing: at 50,000
+    keys, 5,600 young and 10 full collections were ~45% of verify's time (10 s -> 5.5 s on a
+    2-core CPU). Reference counting frees everything a check drops; only cycles wait, and the
+    collector, restored when the check returns, finds them at its next run. A collector that
+    the caller had disabled stays disabled.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# -------------------------------------------------------------------------------------------
 def fmix64(x: int) -> int:
     """murmur3's 64-bit finalizer: the second hash of a fingerprint for the replica check."""
     x &= MASK64
@@ -464,16 +465,22 @@ class Totals:
     bytes_read: int = 0  # summed
 
 
+@cyclic_gc_paused()  # NOTE: [cyclic GC]: objects per key
 def combine(
     comm: Comm, stats: Sequence[KeyStats], seconds: float = 0.0, bytes_read: int = 0
 ) -> tuple[list[Combined], Totals]:
-    """Combines each key's statistics over all ranks: 4 all-reduces of O(keys), no gather.
+    """Combines each key's statistics over all ranks: 2-4 all-reduces of O(keys), no gather.
 
     Row i is key i on every rank (the callers agreed on the key list first). Maxima tie to the
-    smallest global index, then the smallest rank. Fingerprints are the sums of the counted
-    copies; copies that disagree are found by the rule in NOTE: [bytes per rank], and for at
-    most ``REPLICA_DETAIL`` such keys the ranks are grouped by content (one more gather of
-    2 words per rank per key, only when some copies disagree).
+    smallest global index, then the smallest rank (two more all-reduces, made only when some
+    rank holds a maximum at an index). Fingerprints are the sums of the counted copies; copies
+    that disagree are found by the rule in NOTE: [bytes per rank], and for at most
+    ``REPLICA_DETAIL`` such keys the ranks are grouped by content (one more gather of 2 words
+    per rank per key, only when some copies disagree).
+
+    NOTE: [combine in columns] The rows are built and read column by column with torch (one
+    Python list per field, no list per key): at 50,000 keys a row per key cost ~0.8 s of
+    Python and garbage collection, the columns ~0.1 s.
 
     Args:
         comm: The group.
@@ -485,81 +492,105 @@ def combine(
         One Combined per key, identical on every rank, and the totals.
     """
     k = len(stats)
-    inf = float("inf")
+    f64, i64 = torch.float64, torch.int64
     # Round 1 (MIN of float64): maxima as negations, the lowest holder of keys whose owner is
-    # not given by their layout, and the slowest rank's time.
-    r1 = [[-s.max_abs, -s.max_rel, float(comm.rank) if s.holders else inf] for s in stats]
-    r1.append([-seconds, 0.0, 0.0])
-    g1 = comm.all_reduce(torch.tensor(r1, dtype=torch.float64), dist.ReduceOp.MIN).tolist()
-    gmax = [(-a, -b) for a, b, _ in g1[:k]]
-    lowest = [int(c) if c != inf else -1 for _, _, c in g1[:k]]
-    # Round 2 (MIN): the smallest global index holding each maximum.
-    cand = [
+    # not given by their layout; last row: the slowest rank's time, and whether any rank holds a
+    # maximum at an index at all (else rounds 2 and 3 have nothing to find).
+    rank, inf = float(comm.rank), math.inf
+    r1 = torch.tensor(
         [
-            s.max_abs_idx if s.max_abs_idx >= 0 and s.max_abs == m[0] else INT64_MAX,
-            s.max_rel_idx if s.max_rel_idx >= 0 and s.max_rel == m[1] else INT64_MAX,
+            [-s.max_abs for s in stats],
+            [-s.max_rel for s in stats],
+            [rank if s.holders else inf for s in stats],
+        ],
+        dtype=f64,
+    )
+    idx = torch.tensor(
+        [[s.max_abs_idx for s in stats], [s.max_rel_idx for s in stats]], dtype=i64
+    ).T
+    indexed = any(s.max_abs_idx >= 0 or s.max_rel_idx >= 0 for s in stats)
+    last = torch.tensor([[-seconds, -1.0 if indexed else 0.0, 0.0]], dtype=f64)
+    g1 = comm.all_reduce(torch.cat([r1.T, last]), dist.ReduceOp.MIN)
+    gmax = -g1[:k, :2]
+    lowest = [int(c) if c != inf else -1 for c in g1[:k, 2].tolist()]
+    found = holding = torch.full((k, 2), -1, dtype=i64)
+    if g1[k, 1] < 0:
+        # Round 2 (MIN): the smallest global index holding each maximum.
+        mine = (idx >= 0) & (gmax == -r1[:2].T)
+        cand = torch.where(mine, idx, INT64_MAX)
+        gmin = comm.all_reduce(cand, dist.ReduceOp.MIN)
+        # Round 3 (MIN): the lowest rank holding that element.
+        held = (cand != INT64_MAX) & (cand == gmin)
+        gwho = comm.all_reduce(torch.where(held, comm.rank, INT64_MAX), dist.ReduceOp.MIN)
+        found = torch.where(gmin != INT64_MAX, gmin, -1)
+        holding = torch.where(gwho != INT64_MAX, gwho, -1)
+    # Round 4 (SUM): the counts, and the copies as 32-bit halves of the fingerprint and of its
+    # second hash: the counted copies' (columns 12-15) and all copies' (16-19).
+    owner = [_owner(comm, s, low) for s, low in zip(stats, lowest)]
+    fps = [s.fp for s in stats]
+    ints = [[getattr(s, c) for s in stats] for c in COUNTS]
+    ints.append([s.copy_numel if o else 0 for s, o in zip(stats, owner)])  # 9
+    ints.append([1 if o and fp is not None else 0 for o, fp in zip(owner, fps)])  # 10: counted
+    ints.append([0 if fp is None else 1 for fp in fps])  # 11: copies
+    hashes = torch.tensor(
+        [
+            [_signed(fp) if fp is not None else 0 for fp in fps],
+            [_signed(fmix64(fp)) if fp is not None else 0 for fp in fps],
+        ],
+        dtype=i64,
+    ).T
+    halves = torch.cat([hashes & _LO, (hashes >> 32) & _LO], dim=1)  # fp, g lows; fp, g highs
+    counts = torch.tensor(ints, dtype=i64).T
+    rows = torch.cat([counts, counts[:, 10:11] * halves, halves], dim=1)
+    total = torch.zeros((1, rows.shape[1]), dtype=i64)
+    total[0, 0] = bytes_read
+    summed = comm.all_reduce(torch.cat([rows, total]), dist.ReduceOp.SUM)
+    n = len(COUNTS)
+    owners, copies = summed[:k, n + 1], summed[:k, n + 2]
+    fingerprint: list[int | None] = [None] * k
+    disagree = [False] * k
+    if bool(copies.any()):
+        own, every = _mod64(summed[:k, 12:16]), _mod64(summed[:k, 16:20])
+        per_box = torch.where(owners > 0, copies // owners.clamp(min=1), 0)
+        bad = (copies > 0) & (
+            (owners == 0)
+            | (copies % owners.clamp(min=1) != 0)
+            | (every != _mod64(per_box[:, None] * own)).any(dim=1)
+        )
+        fingerprint = [
+            (hi << 32) | lo if c else None
+            for lo, hi, c in zip(own[:, 0].tolist(), own[:, 2].tolist(), copies.tolist())
         ]
-        for s, m in zip(stats, gmax)
-    ]
-    gmin = _reduce_ints(comm, cand, 2, dist.ReduceOp.MIN)
-    # Round 3 (MIN): the lowest rank holding that element.
-    who = [
-        [comm.rank if c != INT64_MAX and c == g else INT64_MAX for c, g in zip(cs, gs)]
-        for cs, gs in zip(cand, gmin)
-    ]
-    gwho = _reduce_ints(comm, who, 2, dist.ReduceOp.MIN)
-    # Round 4 (SUM): counts, and the copies: the counted ones and all of them, as 32-bit halves.
-    rows = []
-    for s, low in zip(stats, lowest):
-        owner = _owner(comm, s, low)
-        fp = s.fp
-        if fp is None:
-            copy = [0] * 10
-        else:
-            g = fmix64(fp)
-            o = 1 if owner else 0
-            copy = [
-                o * (fp & _LO), o * (fp >> 32), fp & _LO, fp >> 32,
-                o * (g & _LO), o * (g >> 32), g & _LO, g >> 32,
-                o, 1,
-            ]  # fmt: skip
-        rows.append([getattr(s, c) for c in COUNTS] + copy + [s.copy_numel if owner else 0])
-    width = len(COUNTS) + 11
-    rows.append([bytes_read] + [0] * (width - 1))
-    summed = _reduce_ints(comm, rows, width, dist.ReduceOp.SUM)
+        disagree = bad.tolist()
     out = []
-    for i in range(k):
-        row = summed[i]
-        counts = dict(zip(COUNTS, row[: len(COUNTS)]))
-        own_lo, own_hi, all_lo, all_hi, gown_lo, gown_hi, gall_lo, gall_hi, owners, copies, cov = (
-            row[len(COUNTS) :]
-        )
-        c = Combined(
-            counts=counts,
-            max_abs=gmax[i][0],
-            max_abs_idx=gmin[i][0] if gmin[i][0] != INT64_MAX else -1,
-            max_abs_rank=gwho[i][0] if gwho[i][0] != INT64_MAX else -1,
-            max_rel=gmax[i][1],
-            max_rel_idx=gmin[i][1] if gmin[i][1] != INT64_MAX else -1,
-            max_rel_rank=gwho[i][1] if gwho[i][1] != INT64_MAX else -1,
-        )
-        if copies:
-            own = (own_lo + (own_hi << 32)) & MASK64
-            every = (all_lo + (all_hi << 32)) & MASK64
-            gown = (gown_lo + (gown_hi << 32)) & MASK64
-            gevery = (gall_lo + (gall_hi << 32)) & MASK64
-            n = copies // owners if owners else 0
-            c.fingerprint, c.covered = own, cov
-            c.replicas_disagree = (
-                owners == 0
-                or copies % owners != 0
-                or every != (n * own) & MASK64
-                or gevery != (n * gown) & MASK64
-            )
+    columns = zip(
+        summed[:k, :n].tolist(),
+        gmax.tolist(),
+        found.tolist(),
+        holding.tolist(),
+        fingerprint,
+        summed[:k, n].tolist(),
+        disagree,
+    )
+    for row, (ma, mr), (ia, ir), (wa, wr), fp, covered, bad in columns:
+        c = Combined(dict(zip(COUNTS, row)), ma, ia, wa, mr, ir, wr)
+        if fp is not None:
+            c.fingerprint, c.covered, c.replicas_disagree = fp, covered, bad
         out.append(c)
-    totals = Totals(seconds=-g1[k][0], bytes_read=summed[k][0])
+    totals = Totals(seconds=-float(g1[k, 0]), bytes_read=int(summed[k, 0]))
     _replica_detail(comm, stats, out)
     return out, totals
+
+
+def _mod64(halves: torch.Tensor) -> torch.Tensor:
+    """Sums of 32-bit halves (columns: fp low, g low, fp high, g high) made exact mod 2**64.
+
+    Each value ``low + high * 2**32`` is returned as its 32-bit halves in the same columns.
+    Sums over W ranks (or a half times the copies per box) stay far below 2**63 for any W up
+    to 2**30, so int64 holds them exactly.
+    """
+    lo, hi = halves[:, :2], halves[:, 2:]
+    return torch.cat([lo & _LO, (hi + (lo >> 32)) & _LO], dim=1)
 
 
 def _owner(comm: Comm, s: KeyStats, lowest: int) -> bool:
@@ -587,11 +618,6 @@ def _replica_detail(comm: Comm, stats: Sequence[KeyStats], out: list[Combined]) 
     for j, i in enumerate(flagged):
         copies = [(w[2 * j], w[2 * j + 1]) if w[2 * j] >= 0 else None for w in per_rank]
         out[i].replica_groups = _disagreeing(copies)
-
-
-def _reduce_ints(comm: Comm, rows: list[list[int]], width: int, op: Any) -> list[list[int]]:
-    t = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
-    return comm.all_reduce(t, op).tolist()
 
 
 def _disagreeing(copies: list[tuple[int, int] | None]) -> list[list[int]] | None:

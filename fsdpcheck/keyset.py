@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.collectives import Comm, distinct
+from fsdpcheck.collectives import Comm, cyclic_gc_paused, distinct
 from fsdpcheck.layout import Meta
 from fsdpcheck.live import LiveState
 from fsdpcheck.report import Finding
@@ -43,6 +43,7 @@ class KeySet:
     partial: dict[str, int] = field(default_factory=dict)
 
 
+@cyclic_gc_paused()  # NOTE: [cyclic GC] in collectives: objects per key
 def agree_keys(
     comm: Comm,
     live: LiveState | None,

@@ -5,6 +5,7 @@ DTensor, ShardedTensor, a DeepSpeed ZeRO-3 partitioned parameter, or a plain ten
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class Meta:
 
 def global_meta(value: Any) -> Meta:
     """The global shape and dtype of a live value, without computing its layout."""
+    if _plain(value):
+        return Meta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
     if is_zero3(value) and getattr(value, "ds_shape", None) is not None:
         shape = tuple(int(s) for s in value.ds_shape)
     elif _compat.is_sharded_tensor(value):
@@ -94,11 +97,12 @@ def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
     Returns:
         The Layout; ``error`` is set (and ``pieces`` empty) for layouts that cannot be checked.
     """
-    if _compat.is_dtensor(value):
+    plain = _plain(value)
+    if not plain and _compat.is_dtensor(value):
         return _dtensor_layout(value)
-    if _compat.is_sharded_tensor(value):
+    if not plain and _compat.is_sharded_tensor(value):
         return _sharded_tensor_layout(value)
-    if is_zero3(value):
+    if not plain and is_zero3(value):
         return _zero3_layout(value, world_size)
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
@@ -106,11 +110,26 @@ def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
             shape,
             value.dtype,
             value.device,
-            [Piece(value, Box(shape))],
+            [Piece(value, _whole(shape))],
             replicated=world_size > 1,
             description="tensor",
         )
     raise TypeError(f"not a tensor: {type(value).__name__}")
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` is a torch.Tensor itself (no subclass) with no attribute of its own.
+
+    Then it is no DTensor, ShardedTensor or ZeRO-3 parameter: decided without the attribute
+    probes of those layouts (~1 us a key in a state dict of plain tensors).
+    """
+    return type(value) is torch.Tensor and not value.__dict__
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _whole(shape: tuple[int, ...]) -> Box:
+    """The Box of a whole tensor of `shape`: one per shape (Boxes are immutable; ~5 us each)."""
+    return Box(shape)
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,7 @@ class _Placed:
     error: str | None
     offset: tuple[int, ...] | None  # None: this rank is not in the mesh
     size: tuple[int, ...] | None
+    box: Box | None = None  # of the local data in the global tensor (with `offset`)
 
 
 # NOTE: [layout cache] Working out a DTensor's box costs ~80 us (placements, mesh coordinate,
@@ -171,14 +191,15 @@ def _work_out(mesh: Any, placements: tuple, shape: tuple[int, ...]) -> _Placed:
     except _NotABox as exc:
         error = f"{desc}: {exc}; fsdpcheck checks only layouts whose local data is a box"
         return _Placed(desc, replicated, owner, ranks, error, None, None)
-    return _Placed(desc, replicated, owner, ranks, None, offset, size)
+    return _Placed(desc, replicated, owner, ranks, None, offset, size, Box(shape, offset))
 
 
 def _dtensor_layout(value: torch.Tensor) -> Layout:
     mesh = value.device_mesh  # type: ignore[attr-defined]
     placements = tuple(value.placements)  # type: ignore[attr-defined]
     shape = tuple(value.shape)
-    local = value.to_local()  # type: ignore[attr-defined]
+    with torch.no_grad():  # the local data itself: not through autograd (~3 us a key)
+        local = value.to_local()  # type: ignore[attr-defined]
     placed = _placed(mesh, placements, shape)
     desc = placed.description
     layout = Layout(shape, local.dtype, local.device, description=desc)
@@ -193,7 +214,8 @@ def _dtensor_layout(value: torch.Tensor) -> Layout:
             f"{size} at offset {offset}"
         )
         return layout
-    layout.pieces = [Piece(local, Box(shape, offset))]
+    assert placed.box is not None
+    layout.pieces = [Piece(local, placed.box)]
     return layout
 
 

@@ -59,17 +59,14 @@ class KeyStats:
         self.inf_a += d.inf_actual
         self.inf_e += d.inf_expected
         self.zeros += d.zeros or 0
-        for attr, value, index in (
-            ("abs", d.max_abs_diff, d.max_abs_index),
-            ("rel", d.max_rel_diff, d.max_rel_index),
-        ):
-            if index is None:
-                continue
-            lin = ravel(index, box.shape)
-            cur, cur_idx = getattr(self, f"max_{attr}"), getattr(self, f"max_{attr}_idx")
-            if value > cur or (value == cur and (cur_idx < 0 or lin < cur_idx)):
-                setattr(self, f"max_{attr}", value)
-                setattr(self, f"max_{attr}_idx", lin)
+        if d.max_abs_index is not None:
+            lin, value = ravel(d.max_abs_index, box.shape), d.max_abs_diff
+            if _beats(value, lin, self.max_abs, self.max_abs_idx):
+                self.max_abs, self.max_abs_idx = value, lin
+        if d.max_rel_index is not None:
+            lin, value = ravel(d.max_rel_index, box.shape), d.max_rel_diff
+            if _beats(value, lin, self.max_rel, self.max_rel_idx):
+                self.max_rel, self.max_rel_idx = value, lin
         if d.fingerprint_actual is not None:
             self.add_copy(d.fingerprint_actual, box, d.numel)
 
@@ -80,6 +77,11 @@ class KeyStats:
         if self.box < 0:
             assert box.offset is not None
             self.box = ravel(box.offset, box.shape)
+
+
+def _beats(value: float, index: int, best: float, best_index: int) -> bool:
+    """Whether (value, index) is a greater maximum than the best so far (ties: smaller index)."""
+    return value > best or (value == best and (best_index < 0 or index < best_index))
 
 
 @dataclass

@@ -1,14 +1,16 @@
 """fsdpcheck.verify: every rank's shards (model and optimizer) against a reference checkpoint.
 
-The protocol, identical on every rank whatever happens locally (so no rank waits forever):
-1. prepare (local): read the live state, open the reference, match keys (``matching``), check
-   layouts, shapes and dtypes; any exception becomes a message.
-2. gather (one all_gather_object): every rank's setup error and a digest of its matched keys;
-   any error, or ranks that disagree, ends the call on every rank with the same report.
-3. compare (local): read the reference under the memory budget, one fused kernel per batch.
-4. combine (4 all-reduces + 1 all-gather): the statistics, and every rank's findings. There is
-   one channel for findings: everything found locally (key checks, layouts, read failures,
-   param_groups) travels in that gather, so every rank builds the same report.
+The protocol, identical on every rank whatever happens locally (so no rank waits forever), with
+O(keys) bytes received per rank at any world size (NOTE: [bytes per rank] in ``collectives``):
+1. open (local): read the live state and open the reference; any exception becomes a message.
+2. agree (``keyset.agree_keys``: one all-reduce when every rank holds the same keys): the job's
+   keys, every rank's setup error, the checkpoint each rank opened; any error, or ranks that
+   see different checkpoints, ends the call on every rank with the same report.
+3. prepare (local): pair the job's names (``matching``), check layouts, shapes and dtypes; one
+   all-reduce checks that every rank paired the same.
+4. compare (local): read the reference under the memory budget, one fused kernel per batch.
+5. combine (``collectives.combine``: all-reduces of one row per key) and the findings found
+   locally (``gather_findings``: each distinct list once), so every rank builds the same report.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
-from fsdpcheck.collectives import Comm, combine, digest, distinct, gather_findings, same_everywhere
+from fsdpcheck.collectives import (
+    Comm,
+    combine,
+    cyclic_gc_paused,
+    digest,
+    distinct,
+    gather_findings,
+    same_everywhere,
+)
 from fsdpcheck.errors import describe_error
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.keys import checkpoint_keys
@@ -119,20 +129,21 @@ def verify(
     t0 = time.perf_counter()
     comm = Comm(group)
     live, source, ckpt, error = None, None, None, None
-    try:
-        live = live_state(model, optimizer)
-        source = open_source(reference)
-        ckpt = checkpoint_keys(source)
-    except Exception as exc:  # whatever happens here, every rank reaches the agreement below
-        error = describe_error(exc)
-    try:
-        return _verify(
-            comm, t0, live, source, ckpt, error, reference,
-            _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
-        )  # fmt: skip
-    finally:
-        if source is not None:
-            source.close()
+    with cyclic_gc_paused():
+        try:
+            live = live_state(model, optimizer)
+            source = open_source(reference)
+            ckpt = checkpoint_keys(source)
+        except Exception as exc:  # whatever happens here, every rank reaches the agreement below
+            error = describe_error(exc)
+        try:
+            return _verify(
+                comm, t0, live, source, ckpt, error, reference,
+                _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
+            )  # fmt: skip
+        finally:
+            if source is not None:
+                source.close()
 
 
 @dataclass(frozen=True)
@@ -388,22 +399,25 @@ def _compare_values(
             p_off = tuple(piece.box.offset)
             dev = piece.tensor.device
             mine = batches.setdefault(dev, [])
-            for part_off, part_size in _along_chunks(p_off, tuple(piece.tensor.shape), saved):
+            p_size = tuple(piece.tensor.shape)
+            for part_off, part_size in _along_chunks(p_off, p_size, saved):
                 for off, size in row_blocks(part_off, part_size, elsize, step):
-                    actual = piece.tensor
-                    for d, (o, n) in enumerate(zip(off, size)):
-                        if n != actual.shape[d]:
-                            actual = actual.narrow(d, o - p_off[d], n)
+                    actual, box = piece.tensor, piece.box
+                    if size != p_size:  # a part of the piece: its view, and its own box
+                        for d, (o, n) in enumerate(zip(off, size)):
+                            if n != actual.shape[d]:
+                                actual = actual.narrow(d, o - p_off[d], n)
+                        box = Box(piece.box.shape, off)
                     w = _Work(
                         i,
                         actual,
-                        Box(piece.box.shape, off),
+                        box,
                         Region(item.ckpt_key, off, size),
                         entry.dtype,
                         tol,
                         lay.replicated,
                     )
-                    nbytes = w.region.numel * elsize
+                    nbytes = math.prod(size) * elsize
                     if not mine or held[dev] + nbytes > step:
                         mine.append([])
                         held[dev] = 0
@@ -509,6 +523,13 @@ def _along_chunks(
     reading it raises the coverage error the report names.
     """
     piece = (offset, size)
+    if len(saved) <= 1:  # the chunk holds the piece, or reading it names what is missing
+        return [piece]
+    if offset:
+        # Only chunks meeting the piece's rows are intersected: a cheap test per saved chunk
+        # (a key saved by W ranks has W chunks) before the exact one.
+        lo, hi = offset[0], offset[0] + size[0]
+        saved = [c for c in saved if c[0][0] < hi and c[0][0] + c[1][0] > lo]
     parts = [c for c in (intersect(piece, (tuple(o), tuple(s))) for o, s in saved) if c]
     # Volumes adding up to the piece's and no part of it uncovered: the parts are disjoint.
     if (
