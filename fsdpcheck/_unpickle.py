@@ -12,6 +12,7 @@ never a callable named by the file.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pathlib
@@ -82,6 +83,45 @@ def _torch_value(name: str) -> Any:
     return None
 
 
+def admitted_global(
+    module: str, name: str, what: str, resolve: Callable[[str, str], Any] | None = None
+) -> Any:
+    """The object a pickle's GLOBAL names, if the allowlist admits it (see `restricted_loads`).
+
+    Shared by the restricted unpickler here and the streaming reader of DCP metadata
+    (``fsdpcheck.sources.dcp_pickle``), so both admit exactly the same names.
+
+    Raises:
+        UnsafePickleError: Anything else (nothing is imported).
+    """
+    if module == "torch":
+        if name == "Size":
+            return torch.Size
+        value = _torch_value(name)
+        if value is not None:
+            return value
+    elif module == "torch.serialization" and name == "_get_layout":
+        return _get_layout
+    elif module in ("pathlib", "pathlib._local") and name in _PATHS:
+        return _PATHS[name]
+    elif name in ADMITTED.get(module, ()):
+        if resolve is not None and module not in ("collections", "builtins"):
+            return resolve(module, name)
+        return _BUILTINS.get((module, name)) or pickle.Unpickler.find_class(_NO_FILE, module, name)
+    raise UnsafePickleError(
+        f"{what} names {module}.{name}, which is not one of the classes a checkpoint's "
+        "metadata is made of; refusing to load it (nothing from the file was run)"
+    )
+
+
+_BUILTINS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+_NO_FILE = pickle.Unpickler(io.BytesIO(b""))
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(
         self, file: io.BufferedIOBase, what: str, resolve: Callable[[str, str], Any] | None
@@ -91,24 +131,7 @@ class _Unpickler(pickle.Unpickler):
         self._resolve = resolve
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch":
-            if name == "Size":
-                return torch.Size
-            value = _torch_value(name)
-            if value is not None:
-                return value
-        elif module == "torch.serialization" and name == "_get_layout":
-            return _get_layout
-        elif module in ("pathlib", "pathlib._local") and name in _PATHS:
-            return _PATHS[name]
-        elif name in ADMITTED.get(module, ()):
-            if self._resolve is not None and module not in ("collections", "builtins"):
-                return self._resolve(module, name)
-            return super().find_class(module, name)
-        raise UnsafePickleError(
-            f"{self._what} names {module}.{name}, which is not one of the classes a checkpoint's "
-            "metadata is made of; refusing to load it (nothing from the file was run)"
-        )
+        return admitted_global(module, name, self._what, self._resolve)
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"{self._what} holds a persistent reference; refusing to load it")

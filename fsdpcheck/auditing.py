@@ -74,29 +74,31 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
 
 
 def _audit_dcp(p: Path, findings: list[Finding], notes: list[str], deep: bool, prefix: str) -> int:
-    # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata).
-    from fsdpcheck.sources.dcp_metadata import (
-        check_storage,
-        is_tensor_meta,
-        planner_paths,
-        read_dcp_metadata,
-    )
+    # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata), and
+    # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_pickle), whose check
+    # gives the structural findings and whose source reads the data for --deep.
+    from fsdpcheck.sources.dcp import DCPSource
 
-    md = read_dcp_metadata(p)
-    tensors = sum(is_tensor_meta(m) for m in md.state_dict_metadata.values())
-    for key, kind, message in check_storage(p, md).findings:
-        findings.append(Finding(prefix + key, kind, message))
-    paths = planner_paths(md)
-    entries = {
-        key: Entry(key, paths[key], is_tensor=is_tensor_meta(meta))
-        for key, meta in md.state_dict_metadata.items()
-    }
-    _audit_optimizer(checkpoint_keys(entries), findings, prefix)
+    source = DCPSource(p)
     try:
-        _audit_manifest(p, md, findings, notes, deep, prefix)
-    except Exception as exc:  # a malformed manifest is a finding about the manifest
-        findings.append(Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc)))
-    return tensors
+        index, check = source.index, source.storage_problems
+        assert check is not None
+        for key, kind, message in check.findings:
+            findings.append(Finding(prefix + key, kind, message))
+        entries = {
+            key: Entry(key, index.paths[key], is_tensor=index.tensor[k])
+            for k, key in enumerate(index.keys)
+        }
+        _audit_optimizer(checkpoint_keys(entries), findings, prefix)
+        try:
+            _audit_manifest(p, source, findings, notes, deep, prefix)
+        except Exception as exc:  # a malformed manifest is a finding about the manifest
+            findings.append(
+                Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc))
+            )
+    finally:
+        source.close()
+    return sum(index.tensor)
 
 
 def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], prefix: str) -> None:
@@ -138,43 +140,42 @@ def _audit_optimizer(c: CheckpointKeys, findings: list[Finding], prefix: str) ->
 
 
 def _audit_manifest(
-    p: Path, md: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
+    p: Path, source: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
 ) -> None:
-    from fsdpcheck.sources.dcp_metadata import is_tensor_meta
-
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
         notes.append(f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save)")
         return
-    meta = md.state_dict_metadata
+    saved = source.entries()
     listed = set()
     for key, e in manifest.entries.items():
         ck = e.checkpoint_key
         listed.add(ck)
-        m = meta.get(ck)
-        if not is_tensor_meta(m):
+        m = saved.get(ck)
+        if m is None or not m.is_tensor:
             findings.append(
                 Finding(prefix + key, "missing", f"in the manifest but {ck} is not saved")
             )
             continue
-        if tuple(m.size) != tuple(e.shape):
+        if tuple(m.shape) != tuple(e.shape):
             findings.append(
                 Finding(
                     prefix + key,
                     "shape",
-                    f"manifest says {tuple(e.shape)}, metadata {tuple(m.size)}",
+                    f"manifest says {tuple(e.shape)}, metadata {tuple(m.shape)}",
                 )
             )
-        dtype = str(m.properties.dtype).removeprefix("torch.")
+        dtype = str(m.dtype).removeprefix("torch.")
         if dtype != e.dtype:
             findings.append(
                 Finding(prefix + key, "dtype", f"manifest says {e.dtype}, metadata {dtype}")
             )
-    for ck, m in meta.items():
-        if is_tensor_meta(m) and ck not in listed:
+    for ck, m in saved.items():
+        if m.is_tensor and ck not in listed:
             findings.append(Finding(prefix + ck, "unexpected", "saved but not in the manifest"))
     if deep:
-        actual = fingerprint_checkpoint(p)
+        # The open source (metadata read and checked once) hashes the data.
+        actual = fingerprint_checkpoint(source)
         expected = manifest.fingerprints()
         findings.extend(
             fingerprints_differ(expected, {k: actual[k] for k in actual if k in expected})

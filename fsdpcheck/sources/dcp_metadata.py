@@ -30,6 +30,7 @@ import torch
 from fsdpcheck._unpickle import ADMITTED, UnsafePickleError, restricted_loads
 from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, file_problem, one_line
 from fsdpcheck.sources.base import show_value as _show
+from fsdpcheck.sources.dcp_pickle import ChunkRun
 from fsdpcheck.sources.tiling import tiling_problems
 
 __all__ = [
@@ -257,20 +258,27 @@ def read_dcp_metadata(
     what = f"DCP metadata {f}"
     try:
         md = restricted_loads(data, what, resolve=None if dcp_classes else _mirror)
-    except UnsafePickleError:
-        raise
-    except RecursionError:
-        raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError,
-            IndexError, MemoryError, OverflowError, RuntimeError, ImportError) as exc:  # fmt: skip
-        # Building an admitted class with wrong arguments raises TypeError/ValueError/...
-        msg = f"{what} is unreadable: {type(exc).__name__}: {one_line(exc)}"
-        raise CheckpointError(msg) from None
+    except Exception as exc:
+        raise metadata_error(exc, what) from None
     try:
         validate_metadata(md, what)
     except RecursionError:
         raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
     return md
+
+
+def metadata_error(exc: Exception, what: str) -> Exception:
+    """The one-line error for an exception unpickling metadata (re-raised when not such)."""
+    if isinstance(exc, UnsafePickleError):
+        return exc
+    if isinstance(exc, RecursionError):
+        return CheckpointError(f"{what} is nested too deeply to be DCP metadata")
+    if isinstance(exc, (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+                        AttributeError, IndexError, MemoryError, OverflowError, RuntimeError,
+                        ImportError)):  # fmt: skip
+        # Building an admitted class with wrong arguments raises TypeError/ValueError/...
+        return CheckpointError(f"{what} is unreadable: {type(exc).__name__}: {one_line(exc)}")
+    raise exc
 
 
 def _ints(value: Any, what: str, field: str, *, allow_negative: bool = False) -> tuple[int, ...]:
@@ -313,6 +321,8 @@ def validate_metadata(md: Any, what: str) -> None:
             if not isinstance(chunks, list):
                 raise CheckpointError(f"{what}: {key}: chunks is not a list")
             for c in chunks:
+                if type(c) is ChunkRun:
+                    continue  # chunks read as columns (dcp_pickle): integers by construction
                 if not isinstance(c, chunk_kinds):
                     raise CheckpointError(f"{what}: {key}: a chunk is a {type(c).__name__}")
                 _ints(getattr(c, "offsets", None), what, f"{key}: chunk offsets",
@@ -419,6 +429,29 @@ class StorageCheck:
         return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
 
 
+def outside_shape(off: Any, size: Any, shape: tuple[int, ...]) -> str:
+    """The finding for a chunk that lies outside its tensor's shape."""
+    return f"chunk at offset {off} of size {size} lies outside the global shape {shape}"
+
+
+def wrong_dims(off: Any, shape: tuple[int, ...]) -> str:
+    """The finding for a chunk with a number of dims other than its tensor's."""
+    return f"chunk at offset {off} has the wrong number of dims for the shape {shape}"
+
+
+def no_entry(off: Any) -> str:
+    """The finding for a chunk that no storage entry holds."""
+    return f"chunk at offset {off} has no storage entry"
+
+
+def short_data(off: Any, n: int, itemsize: int, length: int) -> str:
+    """The finding for a chunk whose stored bytes are fewer than its elements need."""
+    return (
+        f"chunk at offset {off} declares {n} elements ({n * itemsize} bytes) but its stored "
+        f"data has {length} bytes"
+    )
+
+
 def planner_paths(md: Any) -> dict[str, tuple[str, ...]]:
     """Each key's structural path from DCP's planner data (the key itself where there is none).
 
@@ -474,12 +507,10 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
         for c in meta.chunks:
             off, size = tuple(c.offsets), tuple(c.sizes)
             if len(off) != len(shape) or len(size) != len(shape):
-                problems.append((key, "layout", f"chunk at offset {off} has the wrong number of "
-                                 f"dims for the shape {shape}"))  # fmt: skip
+                problems.append((key, "layout", wrong_dims(off, shape)))
                 continue
             if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
-                problems.append((key, "layout", f"chunk at offset {off} of size {size} lies "
-                                 f"outside the global shape {shape}"))  # fmt: skip
+                problems.append((key, "layout", outside_shape(off, size, shape)))
                 continue
             n = math.prod(size)
             if n > 0 or not shape:
@@ -487,12 +518,10 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
             info = storage.get((key, off))
             if info is None:
                 if n > 0 or not shape:
-                    problems.append((key, "missing", f"chunk at offset {off} has no storage entry"))
+                    problems.append((key, "missing", no_entry(off)))
                 continue
             if n * itemsize > info.length:
-                problems.append((key, "error", f"chunk at offset {off} declares {n} elements "
-                                 f"({n * itemsize} bytes) but its stored data has "
-                                 f"{info.length} bytes"))  # fmt: skip
+                problems.append((key, "error", short_data(off, n, itemsize, info.length)))
                 bad.setdefault((key, off), problems[-1][2])
         for p in tiling_problems(shape, boxes):
             if p.startswith("gap"):

@@ -63,6 +63,7 @@ class Prefetcher:
         self._host = [Arena(pin=on_gpu and cuda is None), Arena(pin=on_gpu and cuda is None)]
         self._stage = _DeviceStage(self.device, cuda or torch.cuda) if on_gpu else None
         self._workers = workers
+        self._parts: dict[int, list[Part]] = {}
 
     def run(
         self, batches: Iterable[tuple[Any, Sequence[Part]]]
@@ -99,6 +100,10 @@ class Prefetcher:
                 yield tag, parts
                 if self._stage is not None:
                     self._stage.release(s)
+                # The caller has used the batch: a view of a file truncated meanwhile read
+                # zeros (NOTE: [mapped-file guard]); its source names the file here.
+                for src in {id(p[0]): p[0] for p in self._parts.pop(s, [])}.values():
+                    src.check_views()
                 nxt = next(it, None)
                 if nxt is not None:
                     pending.append(self._submit(pool, nxt, s))
@@ -113,6 +118,7 @@ class Prefetcher:
         self, pool: ThreadPoolExecutor, batch: tuple[Any, Sequence[Part]], slot: int
     ) -> tuple[Any, int, list[Future[list[torch.Tensor]]]]:
         tag, parts = batch
+        self._parts[slot] = list(parts)
         if self._stage is not None:
             self._stage.host_free(slot)
         specs = [
@@ -137,11 +143,12 @@ def _dtype(source: Source, region: Region) -> torch.dtype:
 def _read(
     source: Source, regions: list[Region], out: list[torch.Tensor], staged: bool
 ) -> list[torch.Tensor]:
-    got = source.read(regions, torch.device("cpu"), out)
+    got = source.read_views(regions, out)
     if staged:
         # Copies to the GPU go from page-locked memory: a view of a mapped file (the source
         # returned data where it lies) is first copied into this batch's pinned arena.
         got = [o if t.data_ptr() == o.data_ptr() else o.copy_(t) for t, o in zip(got, out)]
+        source.check_views()  # the copy read the views
     return got
 
 
