@@ -82,6 +82,10 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
         st = os.stat(p)
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {p} does not exist") from None
+    except PermissionError:
+        raise PermissionError(
+            f"checkpoint {p}: permission denied (a folder on its path may not be searched)"
+        ) from None
     if stat.S_ISDIR(st.st_mode):
         return _directory(p)
     if not stat.S_ISREG(st.st_mode):

@@ -140,6 +140,8 @@ def relative_path_problem(root: Path, rel: str, real_root: Path | None = None) -
         return f"names the absolute path {rel!r}"
     if ".." in pure.parts or "\\" in rel:
         return f"names {rel!r}, outside the checkpoint directory"
+    if len(pure.parts) == 1 and not os.path.islink(root / rel):
+        return None  # a plain name in the folder (the common case: no resolving needed)
     real_root = real_root or root.resolve()
     target = (root / rel).resolve()
     if target != real_root and real_root not in target.parents:

@@ -657,6 +657,8 @@ class SafetensorsSource(Source):
         self, regions: Sequence[Region], out: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Views of the files mapped through the guard (checked by `check_views`)."""
+        if type(self).read is not SafetensorsSource.read:  # a subclass that reads its own way
+            return self.read(regions, torch.device("cpu"), out)
         self._refuse(regions)
         result = []
         for i, r in enumerate(regions):
