@@ -7,8 +7,8 @@ import math
 import mmap
 import os
 import re
-import sys
 import threading
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -216,12 +216,13 @@ _DTYPE_LIST = list(_SAFETENSORS_DTYPES)
 # json.loads (one small tuple per entry). Both refuse what safetensors refuses (offsets that do
 # not tile the data exactly, sizes that disagree with shape and dtype, duplicate names).
 _ENTRY = (
-    rb'"((?:[^"\\]|\\.)*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:[0-9]+(?:,[0-9]+)*)?)\],'
+    rb'"([^"\\]*(?:\\.[^"\\]*)*)":\{"dtype":"([A-Z0-9_]+)","shape":\[([0-9,]*)\],'
     rb'"data_offsets":\[([0-9]+),([0-9]+)\]\}'
 )
 _ENTRIES = re.compile(b"(?:" + _ENTRY + b",)*", re.S)
 _FIELDS = re.compile(_ENTRY, re.S)
-_META = re.compile(rb'"__metadata__":\{(?:"(?:[^"\\]|\\.)*":"(?:[^"\\]|\\.)*",?)*\},?')
+_STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+_META = re.compile(rb'"__metadata__":\{(?:' + _STR + b":" + _STR + rb",?)*\},?")
 
 
 class _Header:
@@ -251,18 +252,26 @@ class _Header:
             raise CheckpointError(f"{what} changed while it was read: it was truncated")
         self.base, self.size = 8 + n, size
         self.names: list[str] = []
-        self.dtypes: list[int] = []
+        self.dtypes = array("b")
         self.shapes: list[tuple[int, ...]] = []
-        self.begin: list[int] = []
-        self.end: list[int] = []
+        self.begin = array("q")
+        self.end = array("q")
         self.unsupported: dict[str, str] = {}
         if not self._fast(raw):
             self._slow(raw, what)
-        self.at = {k: i for i, k in enumerate(self.names)}
-        if len(self.at) != len(self.names):
-            dup = next(k for i, k in enumerate(self.names) if self.at[k] != i)
+        if len(set(self.names)) != len(self.names):
+            seen: set[str] = set()
+            dup = next(k for k in self.names if k in seen or seen.add(k))  # type: ignore[func-returns-value]
             raise CheckpointError(f"{what} is unreadable: the tensor {dup!r:.80} is named twice")
         self._validate(what, size)
+        self._at: dict[str, int] | None = None
+
+    @property
+    def at(self) -> dict[str, int]:
+        """Name -> position (made when first needed: ``inspect`` never needs it)."""
+        if self._at is None:
+            self._at = {k: i for i, k in enumerate(self.names)}
+        return self._at
 
     def _fast(self, raw: bytes) -> bool:
         text = raw.rstrip(b" ")
@@ -289,10 +298,13 @@ class _Header:
         return True
 
     def _add(self, found: list[tuple[bytes, ...]]) -> None:
+        shapes: dict[bytes, tuple[int, ...]] = {}  # shared: most tensors repeat a few shapes
         for name, dtype, shape, b, e in found:
             key = name.decode("utf-8") if b"\\" not in name else json.loads(b'"' + name + b'"')
-            self._entry(key, dtype.decode(), tuple(map(int, shape.split(b","))) if shape
-                        else (), int(b), int(e))  # fmt: skip
+            dims = shapes.get(shape)
+            if dims is None:
+                dims = shapes[shape] = tuple(map(int, shape.split(b","))) if shape else ()
+            self._entry(key, dtype.decode(), dims, int(b), int(e))
 
     def _entry(self, key: str, dtype: str, shape: tuple[int, ...], b: int, e: int) -> None:
         self.names.append(key)
@@ -366,6 +378,7 @@ class _Header:
 
 
 _DTYPE_INDEX = {name: i for i, name in enumerate(_DTYPE_LIST)}
+_TORCH = [_SAFETENSORS_DTYPES[n] for n in _DTYPE_LIST]
 
 
 class _Info:
@@ -405,11 +418,6 @@ def read_index(path: Path) -> dict[str, str]:
                 f"safetensors index {path}: weight_map[{k!r:.80}] is {v!r:.80}, not a file name"
             )
     return weight_map
-
-
-def _path_of(key: str) -> tuple[str, ...]:
-    """A flat key's structural path (components interned: a million keys share them)."""
-    return tuple(map(sys.intern, key.split(".")))
 
 
 class SafetensorsSource(Source):
@@ -481,11 +489,12 @@ class SafetensorsSource(Source):
                 h = self._headers.get(f)
                 if h is None:
                     continue  # already a problem
-                if key not in h.at:
+                i = h.at.get(key)
+                if i is None:
                     msg = f"{description} names {name} for {key}, but {name} has no such tensor"
                     self._problems.append((key, "error", msg))
                     continue
-                self._add(key, f)
+                self._add(key, f, i)
             for f, h in self._headers.items():
                 for key in h.names:
                     named = weight_map.get(key)
@@ -501,12 +510,20 @@ class SafetensorsSource(Source):
                         self._problems.append((f"{f.name}/{key}", "error", msg))
         else:
             seen: dict[str, Path] = {}
+            one = len(self._headers) == 1
             for f, h in self._headers.items():
-                for key in h.names:
-                    first = seen.get(key)
+                if h.unsupported:
+                    bad = next(k for k in h.names if k in h.unsupported)
+                    self._add(bad, f, h.at[bad])  # raises, naming it
+                for i, key in enumerate(h.names):
+                    first = None if one else seen.get(key)
                     if first is None:
-                        seen[key] = f
-                        self._add(key, f)
+                        if not one:
+                            seen[key] = f
+                            self._file_of[key] = f
+                        # A flat name: its path is the name, dots included (as ``matching``
+                        # reads it).
+                        self._entries[key] = Entry(key, (key,), h.shapes[i], _TORCH[h.dtypes[i]])
                     elif key not in self._refused:
                         self._refused[key] = (
                             f"{key} is in both {first} and {f} and no index says which is "
@@ -514,17 +531,17 @@ class SafetensorsSource(Source):
                         )
                         self._problems.append((key, "error", self._refused[key]))
 
-    def _add(self, key: str, f: Path) -> None:
+    def _add(self, key: str, f: Path, i: int) -> None:
         h = self._headers[f]
-        i = h.at[key]
         if h.dtypes[i] < 0:
             raise CheckpointError(
                 f"safetensors file {f}: tensor {key} has dtype {h.unsupported[key]}, which "
                 f"fsdpcheck cannot compare (supported: {', '.join(_SAFETENSORS_DTYPES)})"
             )
-        self._file_of[key] = f
-        dtype = _SAFETENSORS_DTYPES[_DTYPE_LIST[h.dtypes[i]]]
-        self._entries[key] = Entry(key, _path_of(key), h.shapes[i], dtype)
+        if len(self._headers) > 1:
+            self._file_of[key] = f
+        # A flat name: its path is the name itself, dots included (``matching`` reads it so).
+        self._entries[key] = Entry(key, (key,), h.shapes[i], _TORCH[h.dtypes[i]])
 
     @classmethod
     def from_path(cls, path: Path) -> SafetensorsSource:
@@ -555,8 +572,14 @@ class SafetensorsSource(Source):
         """Index entries that fail, stray or unlisted copies, ambiguous duplicates."""
         return list(self._problems)
 
+    def _file(self, key: str) -> Path:
+        """The file that holds `key` (the one file, or the one the index names)."""
+        if len(self._headers) == 1:
+            return next(iter(self._headers))
+        return self._file_of[key]
+
     def _where(self, key: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]]:
-        f = self._file_of[key]
+        f = self._file(key)
         h = self._headers[f]
         i = h.at[key]
         e = self._entries[key]
@@ -630,7 +653,7 @@ class SafetensorsSource(Source):
         """
         self._refuse(regions)
         if device.type == "cpu" and self.mapped_reads:
-            for f in {self._file_of[r.key] for r in regions}:
+            for f in {self._file(r.key) for r in regions}:
                 # A plain mapping of a file that shrank since it was opened would kill the
                 # process (SIGBUS) instead of raising: checked before every read.
                 now = f.stat().st_size
