@@ -414,8 +414,8 @@ class DCPSource(Source):
 
 #: Data files open at once (a checkpoint of 10,000 files reads within ``ulimit -n`` 1024).
 MAX_OPEN = 64
-#: Raw chunk locations remembered (each is a few hundred bytes).
-_MAX_RAW = 1 << 16
+#: Raw chunk locations remembered (each is a few hundred bytes; reads go key by key).
+_MAX_RAW = 4096
 
 
 def _inside(box: Box, shape: tuple[int, ...]) -> bool:

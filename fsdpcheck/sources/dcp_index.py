@@ -72,6 +72,7 @@ MAX_METADATA = 4 << 30
 MAX_OBJECT_METADATA = 256 << 20
 _NOTHING = torch.empty(0, 0, dtype=torch.int64)
 _BLOCK = 1 << 18  # rows per block of per-chunk tensor work (bounded temporaries)
+_GRIDS = 1024  # keys whose chunk index is kept (reads go key by key)
 
 
 @dataclass
@@ -185,9 +186,15 @@ class DcpIndex:
         (offset, size) pairs disjoint and every chunk one cell); a scan otherwise.
         """
         k = self.key_id[key]
-        grid = self._grids.get(k)
+        if key not in self.odd and self.count[k] == 1:  # one chunk: nothing to index
+            one = self.box(self.first[k], len(self.shapes[k]))
+            return [0] if boxes_meet(one, (tuple(offset), tuple(size))) else []
+        grid = self._grids.pop(k, None)
         if grid is None:
-            grid = self._grids[k] = _Grid.build(self.chunks(key))
+            grid = _Grid.build(self.chunks(key))
+        self._grids[k] = grid  # most recently used last
+        if len(self._grids) > _GRIDS:
+            del self._grids[next(iter(self._grids))]
         return grid.query(tuple(offset), tuple(size))
 
 
@@ -273,9 +280,7 @@ def read_parsed(root: Path) -> Parsed:
             )
         if st.st_size >= SMALL:
             try:
-                parsed = read_metadata_stream(fd, what, _mirror, MAX_METADATA)
-                _trim()
-                return parsed
+                return read_metadata_stream(fd, what, _mirror, MAX_METADATA)
             except Fallback:
                 os.lseek(fd, 0, os.SEEK_SET)
             except UnsafePickleError:
@@ -297,7 +302,8 @@ def _trim() -> None:
 
     NOTE: [returning memory] glibc raises its mmap threshold after large blocks are freed and
     then keeps later ones on its heap: reading a 151 MB ``.metadata`` left ~60 MB of freed
-    windows resident, which every later phase stacked its peak on.
+    windows resident, and the objects of a 20 MB one (100k tensors) ~190 MB, which every later
+    phase stacked its peak on.
     """
     try:
         import ctypes
@@ -340,7 +346,10 @@ def open_index(
     try:
         parsed = read_parsed(root)
         index = build_index(parsed, root)
+        big = parsed.nbytes >= 4 << 20
         del parsed
+        if big:
+            _trim()
         if trusted_digest is not None and trusted_digest == index.digest:
             return index, None
         return index, check(index)
@@ -478,7 +487,13 @@ def _columns(
         t = torch.tensor(flat, dtype=torch.int64).view(-1, 2 * d) if flat else None
         if t is None:
             continue
-        starts = torch.cat([torch.arange(a, a + len(b)) for a, b in parts])
+        # Row numbers of every part, at once: each part's first row, repeated, plus 0..n-1.
+        lens = torch.tensor([len(b) for _, b in parts], dtype=torch.int64)
+        firsts = torch.tensor([a for a, _ in parts], dtype=torch.int64)
+        within = torch.arange(int(lens.sum())) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens
+        )
+        starts = torch.repeat_interleave(firsts, lens) + within
         out[starts, :d] = t[:, :d]
         out[starts, D : D + d] = t[:, d:]
     return out
@@ -512,10 +527,10 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str) -> None:
         if not items:
             return
         n = len(items)
-        o = torch.zeros(n, D, dtype=torch.int64)
+        flat: list[int] = []  # the offsets of every entry, padded to D
         dims = []
         fqs, fis, whs, trs = [], [], [], []
-        for j, (idx, info) in enumerate(items):
+        for idx, info in items:
             fqn, offsets = position(idx)
             fqs.append(nid(fqn))
             path = info.relative_path
@@ -523,14 +538,14 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str) -> None:
             whs.append((info.offset, info.length))
             td = tuple(info.transform_descriptors or ())
             trs.append(transforms.setdefault(td, len(transforms)) if td else -1)
-            if offsets is None:
-                dims.append(-1)
-            elif len(offsets) > D:
-                dims.append(-2)  # matches no chunk
+            if offsets is None or len(offsets) > D:
+                dims.append(-1 if offsets is None else -2)  # -2: matches no chunk
+                flat.extend((0,) * D)
             else:
                 dims.append(len(offsets))
-                if offsets:
-                    o[j, : len(offsets)] = torch.tensor(offsets, dtype=torch.int64)
+                flat.extend(offsets)
+                flat.extend((0,) * (D - len(offsets)))
+        o = torch.tensor(flat, dtype=torch.int64).view(n, D)
         fq.append(torch.tensor(fqs, dtype=torch.int32))
         fi.append(torch.tensor(fis, dtype=torch.int32))
         wh.append(torch.tensor(whs, dtype=torch.int64).view(n, 2))

@@ -122,6 +122,7 @@ class Mapped:
 
     def __init__(self, ident: int, path: str, data: torch.Tensor) -> None:
         self.id, self.path, self.data = ident, path, data
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def view(
         self, start: int, dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int]
@@ -138,6 +139,13 @@ class Mapped:
         end = start + span * dtype.itemsize
         if start < 0 or end > self.data.numel():
             return None
+        item = dtype.itemsize
+        if start % item == 0:  # one tensor per view (a batch may hold a hundred thousand)
+            typed = self._typed.get(dtype)
+            if typed is None:
+                whole = self.data[: self.data.numel() - self.data.numel() % item]
+                typed = self._typed[dtype] = whole.view(dtype)
+            return typed.as_strided(shape, stride, start // item)
         buf = (ctypes.c_char * (end - start)).from_address(self.data.data_ptr() + start)
         buf.keep = self.data  # type: ignore[attr-defined]
         return torch.frombuffer(buf, dtype=dtype, count=span).as_strided(shape, stride)
