@@ -618,17 +618,24 @@ class SafetensorsSource(Source):
             return None
         return mapped_view(mapped, start, dtype, shape, _contiguous_strides(shape))
 
-    def _copy(self, r: Region) -> torch.Tensor:
-        """The region read by byte range: the rows it spans, then the columns it needs."""
+    def _copy(self, r: Region, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The region read by byte range: the rows it spans, then the columns it needs.
+
+        Straight into `out` when the region is whole rows and `out` is contiguous.
+        """
         f, start, dtype, shape = self._where(r.key)
         row = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
         r0, rows = (r.offset[0], r.size[0]) if shape else (0, 1)
-        buf = aligned_empty(rows * row)
+        whole = out is not None and out.is_contiguous() and tuple(r.size[1:]) == tuple(shape[1:])
+        buf = out.view(torch.uint8).view(-1) if whole and out is not None else aligned_empty(
+            rows * row)  # fmt: skip
         fd, _ = open_regular(f, "safetensors file")
         try:
             pread_into(fd, buf, start + r0 * row, f"safetensors file {f}: {r.key}", f)
         finally:
             os.close(fd)
+        if whole and out is not None:
+            return out
         t = buf.view(dtype).view((rows, *shape[1:]) if shape else ())
         for d in range(1, len(shape)):
             t = t.narrow(d, r.offset[d], r.size[d])
@@ -687,7 +694,8 @@ class SafetensorsSource(Source):
         for i, r in enumerate(regions):
             whole = self._mapped_tensor(r.key) if self.mapped_reads else None
             if whole is None:
-                result.append(out[i].copy_(self._copy(r)))
+                got = self._copy(r, out[i])
+                result.append(got if got is out[i] else out[i].copy_(got))
                 continue
             v = whole[slices(r)] if r.size else whole
             populate(v)

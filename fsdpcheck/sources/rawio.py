@@ -158,10 +158,16 @@ _faulted: set[int] = set()
 _faults_lost = False
 
 
+#: How the offline readers hand data to the kernels: "map" (views of files mapped through the
+#: guard, the default: NOTE: [mapped files]) or "pread" (byte-range reads into buffers, never a
+#: mapping; environment variable ``FSDPCHECK_READ``).
+READ_MODE = os.environ.get("FSDPCHECK_READ", "map")
+
+
 def map_guarded(fd: int, size: int, path: str) -> Mapped | None:
-    """`fd` mapped through the guard (None: empty, no guard in this build, or it failed)."""
+    """`fd` mapped through the guard, or None (empty, no guard, `READ_MODE` "pread", failed)."""
     global _next_id
-    if size <= 0 or not _guard_available():
+    if size <= 0 or READ_MODE == "pread" or not _guard_available():
         return None
     with _ids_lock:
         _next_id += 1
