@@ -680,3 +680,32 @@ def test_the_guard_leaves_other_faults_alone(tmp_path: Path) -> None:
     )
     assert done.stdout.splitlines() == ["guarded 0 True"]
     assert done.returncode == -7  # SIGBUS
+
+
+def test_pread_mode_reads_the_same_without_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import save_file
+
+    from fsdpcheck.comparison import compare_checkpoints
+    from fsdpcheck.sources import rawio
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"l{i}": torch.randn(33, 17, generator=g).to(torch.bfloat16) for i in range(3)}
+    p = write_dcp(tmp_path / "ck", tensors, 3)
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    other = {k: v.clone() for k, v in tensors.items()}
+    other["l1"][20, 3] += 1
+
+    def both() -> tuple[Any, Any]:
+        fps = fsdpcheck.fingerprint_checkpoint(p, memory_budget=4096)
+        return fps, compare_checkpoints(tmp_path / "a.safetensors", other, memory_budget=4096)
+
+    mapped = both()
+    made = rawio._next_id
+    monkeypatch.setattr(rawio, "READ_MODE", "pread")
+    preads = both()
+    assert rawio._next_id == made  # no file was mapped
+    assert preads[0] == mapped[0] == fsdpcheck.fingerprint(tensors)
+    found = [[(f.key, f.kind, f.max_abs_index) for f in r.findings] for r in (mapped[1], preads[1])]
+    assert found[0] == found[1] == [("l1", "value", (20, 3))]
