@@ -158,16 +158,16 @@ def test_raw_dcp_reads_equal_safe_reader_and_truth(
         # writes chunks back to back); only the sharded save has regions over several chunks.
         assert not use_out or (in_place and misaligned and bool(filled) == (which == "sharded"))
         # The fast path was taken for every non-empty chunk (else this test proves nothing).
-        assert fast._raw and all(rc is not None for rc in fast._raw.values())
+        assert fast._raw and all(rc is not None for rc, _ in fast._raw.values())
         assert not slow._raw
         if which == "single":
-            t = next(rc for (key, _), rc in fast._raw.items() if key == "t")
+            t = next(rc for (key, _), (rc, _) in fast._raw.items() if key == "t")
             assert t is not None and not t.row_major and t.stride == (1, 5)
         # Chunks whose bytes start at an offset that is not a multiple of the page size, nor of
         # the element size, are among those read.
-        offsets = [rc.data_offset for rc in fast._raw.values() if rc is not None]
+        offsets = [rc.data_offset for rc, _ in fast._raw.values() if rc is not None]
         assert any(o % 4096 for o in offsets)
-        items = [rc.dtype.itemsize for rc in fast._raw.values() if rc is not None]
+        items = [rc.dtype.itemsize for rc, _ in fast._raw.values() if rc is not None]
         assert any(o % i for o, i in zip(offsets, items) if i > 1)
     finally:
         fast.close()

@@ -98,8 +98,9 @@ class DCPSource(Source):
                 self._entries[key] = Entry(key, idx.paths[key], is_tensor=False)
         # DCP's reader (and DCP's import) only for what is not read by byte range here.
         self._safe_reader: Any = None
-        # Raw chunk locations by (key, chunk position) (None: the safe reader), bounded.
-        self._raw: dict[tuple[str, int], RawChunk | None] = {}
+        # Raw chunk locations by (key, chunk position) (None: the safe reader) and their files,
+        # for the keys read last.
+        self._raw: dict[tuple[str, int], tuple[RawChunk | None, str]] = {}
         self._files = _Files(self.path)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -260,8 +261,8 @@ class DCPSource(Source):
                 lo, n = part
                 dest_off = tuple(a - b for a, b in zip(lo, region.offset))
                 src_off = tuple(a - b for a, b in zip(lo, c_off))
-                rc = self._raw_chunk(region.key, c_pos, c_size) if self.raw_reads else None
-                rel, _, _, _ = self._storage(region.key, c_pos)
+                rc, rel = self._raw_chunk(region.key, c_pos, c_size) if self.raw_reads else (
+                    None, "")  # fmt: skip
                 if rc is not None:
                     target = dests[i]
                     for d, (o, k) in enumerate(zip(dest_off, n)):
@@ -316,10 +317,9 @@ class DCPSource(Source):
         box = (tuple(region.offset), tuple(region.size))
         if intersect(box, (c_off, c_size)) != box:
             return None
-        rc = self._raw_chunk(region.key, c_pos, c_size)
+        rc, rel = self._raw_chunk(region.key, c_pos, c_size)
         if rc is None:
             return None
-        rel = self._storage(region.key, c_pos)[0]
         mapped = self._files.mapped(rel)
         if mapped is None:
             return None
@@ -334,11 +334,12 @@ class DCPSource(Source):
         populate(t)
         return t
 
-    def _raw_chunk(self, key: str, pos: int, size: tuple[int, ...]) -> RawChunk | None:
-        """Where a chunk's elements lie (cached), or None to read it through the safe reader."""
+    def _raw_chunk(self, key: str, pos: int, size: tuple[int, ...]) -> tuple[RawChunk | None, str]:
+        """Where a chunk's elements lie (None: read it through the safe reader), and its file."""
         with self._lock:
-            if (key, pos) in self._raw:
-                return self._raw[(key, pos)]
+            got = self._raw.get((key, pos))
+            if got is not None:
+                return got
         rel, offset, length, transforms = self._storage(key, pos)
         rc = None
         if not transforms:
@@ -349,8 +350,8 @@ class DCPSource(Source):
         with self._lock:
             if len(self._raw) >= _MAX_RAW:
                 self._raw.clear()
-            self._raw[(key, pos)] = rc
-        return rc
+            self._raw[(key, pos)] = (rc, rel)
+        return rc, rel
 
     def _read_raw(self, per_file: dict[str, list[_RawItem]]) -> None:
         """Byte-range reads, one worker per file (different files in parallel)."""

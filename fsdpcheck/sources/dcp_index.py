@@ -160,6 +160,9 @@ class DcpIndex:
         if key in self.odd:
             return self.odd[key][i]
         k = self.key_id[key]
+        grid = self._grids.get(k)
+        if grid is not None:
+            return grid.boxes[i]
         return self.box(self.first[k] + i, len(self.shapes[k]))
 
     def position_of(self, key: str, offsets: Sequence[int]) -> int | None:
@@ -177,7 +180,11 @@ class DcpIndex:
         """Storage entry row of chunk `i` of `key` (as `chunks` lists them), or -1."""
         if key in self.odd:
             return self.odd_entries[key][i]
-        return int(self.entry[self.first[self.key_id[key]] + i])
+        k = self.key_id[key]
+        grid = self._grids.get(k)
+        if grid is not None:
+            return grid.entries[i]
+        return int(self.entry[self.first[k] + i])
 
     def overlapping(self, key: str, offset: Sequence[int], size: Sequence[int]) -> list[int]:
         """Positions (in `chunks(key)`) of the non-empty chunks that share an element with a box.
@@ -192,6 +199,8 @@ class DcpIndex:
         grid = self._grids.pop(k, None)
         if grid is None:
             grid = _Grid.build(self.chunks(key))
+            if key not in self.odd:  # each chunk's entry, as a list (reads ask chunk by chunk)
+                grid.entries = self.entry[self.first[k] : self.first[k] + self.count[k]].tolist()
         self._grids[k] = grid  # most recently used last
         if len(self._grids) > _GRIDS:
             del self._grids[next(iter(self._grids))]
@@ -203,6 +212,7 @@ class _Grid:
 
     def __init__(self, boxes: list[Box]) -> None:
         self.boxes = boxes
+        self.entries: list[int] = []
         self.starts: list[list[int]] | None = None
         self.ends: list[list[int]] = []
         self.cell: dict[tuple[int, ...], int] = {}
