@@ -1,8 +1,9 @@
 """The reading layer at scale and under change: metadata columns, chunk lookups, guarded maps.
 
-* ``.metadata`` read as it streams (``dcp_pickle``) gives exactly what the unpickler gives,
-  for every pickle protocol, shared or fresh objects, transforms and values, and falls back to
-  the unpickler where it must (hypothesis over generated metadata, and real saves).
+* ``.metadata`` read as it streams (``dcp_pickle``, with column runs or into objects) gives
+  exactly what pickle gives, for every pickle protocol, shared or fresh objects, transforms and
+  values, and reads again into objects where columns cannot answer (hypothesis over generated
+  metadata, real saves, mutated bytes).
 * ``chunks_overlapping`` by bisection equals a scan, for grids and for irregular chunks.
 * A trusted digest skips the whole-checkpoint check and still refuses what a read touches.
 * Files truncated between two batches or while the kernel reads them, a FIFO swapped in after
@@ -167,7 +168,7 @@ def trusted_summary(path: Path) -> tuple[Any, ...]:
 
 
 def read_both(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, int]:
-    """The index read as it streams and read by the unpickler, and the stream's chunk runs."""
+    """The index read with column runs and into objects, and how many runs were columns."""
     runs = []
     real = dcp_pickle.read_metadata_stream
 
@@ -232,21 +233,19 @@ def test_runs_are_read_as_columns_and_a_reference_into_one_falls_back(
     assert streamed == objects == trusted_summary(fresh)
     assert runs > 0  # the chunk records were read as columns, not op by op
     # Every chunk shares the first chunk's sizes object: later records refer back into a run's
-    # memo slots, which this reader cannot resolve; the file is read again by the unpickler.
+    # memo slots, which columns cannot answer; the file is read again, every record an object.
     shared = write_dcp(tmp_path / "shared", tensors, 8, shared=True)
-    fell_back = []
-    real = dcp_pickle.read_metadata_stream
+    passes = []
+    real = dcp_pickle._read
 
-    def watch(*a: Any, **k: Any) -> Any:
-        try:
-            return real(*a, **k)
-        except dcp_pickle.Fallback:
-            fell_back.append(True)
-            raise
+    def watch(*a: Any) -> Any:
+        passes.append(a[-1])  # columns?
+        return real(*a)
 
-    monkeypatch.setattr(dcp_pickle, "read_metadata_stream", watch)  # read_both wraps this
+    monkeypatch.setattr(dcp_pickle, "_read", watch)
     streamed, objects, _ = read_both(shared, monkeypatch)
-    assert fell_back and streamed == objects == trusted_summary(shared)
+    assert passes[:2] == [True, False]  # the column pass gave up, the object pass read it
+    assert streamed == objects == trusted_summary(shared)
 
 
 def test_real_sharded_saves_stream_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -709,3 +708,83 @@ def test_pread_mode_reads_the_same_without_mapping(
     assert preads[0] == mapped[0] == fsdpcheck.fingerprint(tensors)
     found = [[(f.key, f.kind, f.max_abs_index) for f in r.findings] for r in (mapped[1], preads[1])]
     assert found[0] == found[1] == [("l1", "value", (20, 3))]
+
+
+def _outcome(path: Path, small: int) -> tuple[str, Any]:  # small=0: column runs
+    """What opening the index gives: ("ok", summary) or ("error", the exception's type)."""
+    old = dcp_index.SMALL
+    dcp_index.SMALL = small
+    try:
+        return "ok", summary(dcp_index.open_index(path)[0])
+    except (CheckpointError, UnsafePickleError, FileNotFoundError) as exc:
+        assert "\n" not in str(exc)
+        return "error", type(exc).__name__
+    finally:
+        dcp_index.SMALL = old
+
+
+@pytest.fixture(scope="module")
+def pristine_metadata(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    tensors = {f"layers.{i}.w": torch.arange(48.0 * (i + 1)).view(-1, 4) for i in range(4)}
+    tensors["step"] = torch.tensor(3.0)
+    p = write_dcp(tmp_path_factory.mktemp("fz") / "ck", tensors, 6, values={"lr": 0.5})
+    return p, (p / ".metadata").read_bytes()
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_fuzzed_metadata_streams_as_the_unpickler_reads_it(
+    pristine_metadata: tuple[Path, bytes], data: st.DataObject
+) -> None:
+    """Mutated bytes: read with column runs, they give what they give read into objects."""
+    path, raw = pristine_metadata
+    buf = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 3))):
+        if not buf:
+            break
+        at = data.draw(st.integers(0, len(buf) - 1))
+        op = data.draw(st.sampled_from(["flip", "insert", "delete", "copy", "cut"]))
+        if op == "flip":
+            buf[at] = data.draw(st.integers(0, 255))
+        elif op == "insert":
+            buf[at:at] = bytes(data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=6)))
+        elif op == "delete":
+            del buf[at : at + data.draw(st.integers(1, 6))]
+        elif op == "copy":
+            n = data.draw(st.integers(1, 200))
+            buf[at:at] = buf[at : at + n]
+        else:
+            del buf[at:]
+    try:
+        (path / ".metadata").write_bytes(bytes(buf))
+        objects = _outcome(path, 1 << 40)
+        streamed = _outcome(path, 0)
+    finally:
+        (path / ".metadata").write_bytes(raw)
+    if objects[0] == "ok":
+        assert streamed == objects
+    else:
+        assert streamed[0] == "error"
+
+
+def test_a_memo_index_from_the_file_sizes_nothing(tmp_path: Path) -> None:
+    """LONG_BINPUT 2**31 - 1: an unpickler sizes its memo by it (16 GiB, then the OOM killer)."""
+    d = tmp_path / "bomb"
+    d.mkdir()
+    for data in (b"\x80\x02N" + b"r\xff\xff\xff\x7f" + b".", b"\x80\x02Np2147483647\n."):
+        (d / ".metadata").write_bytes(data)
+        done = _child(
+            """
+            import resource, sys
+            resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+            from fsdpcheck.sources.dcp import DCPSource
+            from fsdpcheck.sources.base import CheckpointError
+            try:
+                DCPSource(sys.argv[1])
+            except CheckpointError as e:
+                print(e)
+            """,
+            str(d),
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "holds a NoneType, not DCP Metadata" in done.stdout

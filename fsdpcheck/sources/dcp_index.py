@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck._unpickle import UnsafePickleError, restricted_loads
+from fsdpcheck._unpickle import UnsafePickleError
 from fsdpcheck.sources.base import (
     CheckpointError,
     Problem,
@@ -42,10 +42,10 @@ from fsdpcheck.sources.base import (
     past_the_end,
 )
 from fsdpcheck.sources.dcp_metadata import (
+    MAX_METADATA,
     METADATA_FILE,
     _mirror,
     is_tensor_meta,
-    metadata_error,
     no_entry,
     outside_shape,
     planner_paths,
@@ -57,19 +57,12 @@ from fsdpcheck.sources.dcp_metadata import (
 from fsdpcheck.sources.dcp_pickle import (
     SMALL,
     ChunkRun,
-    Fallback,
     Parsed,
     StreamError,
-    digest_bytes,
     read_metadata_stream,
 )
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
-#: ``.metadata`` larger than this is refused (a 1,024,000-chunk file is 151 MB).
-MAX_METADATA = 4 << 30
-#: A file the streaming reader hands back (`Fallback`) is read into objects only up to this
-#: size (objects take ~15x the pickle's bytes).
-MAX_OBJECT_METADATA = 256 << 20
 _NOTHING = torch.empty(0, 0, dtype=torch.int64)
 _BLOCK = 1 << 18  # rows per block of per-chunk tensor work (bounded temporaries)
 _GRIDS = 1024  # keys whose chunk index is kept (reads go key by key)
@@ -274,10 +267,16 @@ def _product(ranges: list[range]) -> list[tuple[int, ...]]:
 
 # -------------------------------------------------------------------------------------------
 def read_parsed(root: Path) -> Parsed:
-    """``.metadata`` of `root`, opened by what it is and read as it streams (or into objects).
+    """``.metadata`` of `root`, opened by what it is and read as it streams.
+
+    Files of `SMALL` bytes and more read their runs of chunk and storage records as columns;
+    smaller ones are read into objects (fewer records than the fast path's set-up is worth).
+    Every file goes through the same restricted machine: no unpickler whose memo a file can
+    size (NOTE: [metadata columns] in ``dcp_pickle``).
 
     Raises:
-        FileNotFoundError / CheckpointError / UnsafePickleError: as `read_dcp_metadata`.
+        FileNotFoundError / PermissionError / CheckpointError / UnsafePickleError: as
+        `read_dcp_metadata`.
     """
     f = root / METADATA_FILE
     what = f"DCP metadata {f}"
@@ -288,23 +287,14 @@ def read_parsed(root: Path) -> Parsed:
                 f"{what} has {st.st_size} bytes, more than the {MAX_METADATA} fsdpcheck reads; "
                 "refusing it"
             )
-        if st.st_size >= SMALL:
-            try:
-                return read_metadata_stream(fd, what, _mirror, MAX_METADATA)
-            except Fallback:
-                os.lseek(fd, 0, os.SEEK_SET)
-            except UnsafePickleError:
-                raise
-            except (StreamError, ValueError) as exc:
-                raise CheckpointError(f"{what} is unreadable: {exc}") from None
-        data = _read_all(fd, MAX_OBJECT_METADATA, what)
+        columns = st.st_size >= SMALL
+        return read_metadata_stream(fd, what, _mirror, MAX_METADATA, columns=columns)
+    except (UnsafePickleError, CheckpointError):
+        raise
+    except (StreamError, ValueError) as exc:
+        raise CheckpointError(f"{what} is unreadable: {exc}") from None
     finally:
         os.close(fd)
-    try:
-        md = restricted_loads(data, what, resolve=_mirror)
-    except Exception as exc:
-        raise metadata_error(exc, what) from None
-    return Parsed(md, digest=digest_bytes(data), nbytes=len(data))
 
 
 def _trim() -> None:
@@ -321,22 +311,6 @@ def _trim() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _read_all(fd: int, limit: int, what: str) -> bytes:
-    parts: list[bytes] = []
-    total = 0
-    while True:
-        data = os.read(fd, 1 << 20)
-        if not data:
-            return b"".join(parts)
-        total += len(data)
-        if total > limit:
-            raise CheckpointError(
-                f"{what}: more than {limit} bytes of a pickle fsdpcheck can only read into "
-                "objects; refusing it"
-            )
-        parts.append(data)
 
 
 def open_index(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import math
 import os
-import pickle
 import reprlib
 import sys
 from dataclasses import dataclass, field
@@ -27,8 +26,8 @@ from typing import Any
 
 import torch
 
-from fsdpcheck._unpickle import ADMITTED, UnsafePickleError, restricted_loads
-from fsdpcheck.sources.base import CheckpointError, Problem, check_regular, file_problem, one_line
+from fsdpcheck._unpickle import ADMITTED, UnsafePickleError
+from fsdpcheck.sources.base import CheckpointError, Problem, file_problem, open_regular
 from fsdpcheck.sources.base import show_value as _show
 from fsdpcheck.sources.dcp_pickle import ChunkRun
 from fsdpcheck.sources.tiling import tiling_problems
@@ -250,16 +249,25 @@ def read_dcp_metadata(
         UnsafePickleError: It names a class outside DCP's metadata (nothing was run).
         CheckpointError: It is not a regular file, not a pickle, or not shaped like DCP metadata.
     """
+    from fsdpcheck.sources.dcp_pickle import StreamError, read_metadata_stream
+
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
     f = Path(path) / name
-    if data is None:
-        f = check_regular(f, "DCP metadata")
-        data = f.read_bytes()
     what = f"DCP metadata {f}"
+    resolve = None if dcp_classes else _mirror
     try:
-        md = restricted_loads(data, what, resolve=None if dcp_classes else _mirror)
-    except Exception as exc:
-        raise metadata_error(exc, what) from None
+        if data is None:
+            fd, _ = open_regular(f, "DCP metadata")
+            try:
+                md = read_metadata_stream(fd, what, resolve, MAX_METADATA, columns=False).metadata
+            finally:
+                os.close(fd)
+        else:
+            md = read_bytes(data, what, resolve)
+    except (UnsafePickleError, CheckpointError, FileNotFoundError, PermissionError):
+        raise
+    except (StreamError, ValueError) as exc:
+        raise CheckpointError(f"{what} is unreadable: {exc}") from None
     try:
         validate_metadata(md, what)
     except RecursionError:
@@ -267,18 +275,22 @@ def read_dcp_metadata(
     return md
 
 
-def metadata_error(exc: Exception, what: str) -> Exception:
-    """The one-line error for an exception unpickling metadata (re-raised when not such)."""
-    if isinstance(exc, UnsafePickleError):
-        return exc
-    if isinstance(exc, RecursionError):
-        return CheckpointError(f"{what} is nested too deeply to be DCP metadata")
-    if isinstance(exc, (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-                        AttributeError, IndexError, MemoryError, OverflowError, RuntimeError,
-                        ImportError)):  # fmt: skip
-        # Building an admitted class with wrong arguments raises TypeError/ValueError/...
-        return CheckpointError(f"{what} is unreadable: {type(exc).__name__}: {one_line(exc)}")
-    raise exc
+#: ``.metadata`` larger than this is refused (a 1,024,000-chunk file is 151 MB).
+MAX_METADATA = 4 << 30
+
+
+def read_bytes(data: bytes, what: str, resolve: Any) -> Any:
+    """Metadata from bytes already read (through the same restricted machine, objects only)."""
+    import tempfile
+
+    from fsdpcheck.sources.dcp_pickle import read_metadata_stream
+
+    with tempfile.TemporaryFile() as fh:
+        fh.write(data)
+        fh.flush()
+        return read_metadata_stream(
+            fh.fileno(), what, resolve, MAX_METADATA, columns=False
+        ).metadata
 
 
 def _ints(value: Any, what: str, field: str, *, allow_negative: bool = False) -> tuple[int, ...]:

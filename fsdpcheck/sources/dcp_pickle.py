@@ -27,6 +27,7 @@ per-op Python overhead.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import re
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck._unpickle import UnsafePickleError, admitted_global
+from fsdpcheck._unpickle import UnsafePickleError, admitted_global, on_a_deep_stack
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -278,13 +279,25 @@ _EMPTY_SET, _ADDITEMS, _FROZENSET = 0x8F, 0x90, 0x91
 _GLOBAL, _STACK_GLOBAL, _REDUCE, _BUILD, _NEWOBJ, _NEWOBJ_EX = 0x63, 0x93, 0x52, 0x62, 0x81, 0x92
 _BINGET, _LONG_BINGET, _BINPUT, _LONG_BINPUT, _MEMOIZE = 0x68, 0x6A, 0x71, 0x72, 0x94
 _PROTO, _FRAME, _PERSID, _BINPERSID = 0x80, 0x95, 0x50, 0x51
+_INT, _LONG, _FLOAT, _STRING, _UNICODE = 0x49, 0x4C, 0x46, 0x53, 0x56
+_BINSTRING, _SHORT_BINSTRING, _BYTEARRAY8 = 0x54, 0x55, 0x96
+_GET, _PUT, _INST, _OBJ, _EXT1, _EXT2, _EXT4 = 0x67, 0x70, 0x69, 0x6F, 0x82, 0x83, 0x84
 
 
 class _Machine:
     """The restricted pickle machine (see NOTE: [metadata columns])."""
 
-    def __init__(self, fd: int, what: str, resolve: Callable[[str, str], Any], limit: int) -> None:
+    def __init__(
+        self,
+        fd: int,
+        what: str,
+        resolve: Callable[[str, str], Any] | None,
+        limit: int,
+        columns: bool,
+    ) -> None:
         self.fd, self.what, self.resolve, self.limit = fd, what, resolve, limit
+        # Column fast paths only into the mirrors (DCP's classes are built for DCP, whole).
+        self.columns = columns and resolve is not None
         self.buf = b""
         self.pos = 0
         self.read_total = 0
@@ -319,21 +332,30 @@ class _Machine:
         self.version = 0
         self.raw_ids: dict[bytes, int] = {}
         self.storage_runs: dict[int, list[tuple[int, StorageRun]]] = {}
-        self.dict_sizes: dict[int, int] = {}
         self.keep: list[Any] = []  # dicts with runs (their ids must stay theirs)
         self.chunk_runs = 0
-        self.mirror_names = {resolve(m, n): n for m, n in _TRACKED}
+        self.mirror_names = (
+            {resolve(m, n): n for m, n in _TRACKED} if resolve is not None and self.columns else {}
+        )
+        # Memo slots whose reference may start a run (the classes of chunk and index records).
+        self.triggers: set[int] = set()
 
     # -- input ------------------------------------------------------------------------------
     def need(self, n: int, soft: bool = False) -> None:
         """At least `n` bytes from `pos` in the buffer (reads on; StreamError at the end)."""
         if self.pos + n <= len(self.buf):
             return
+        if n > self.limit:  # a length no file within the limit can hold: read nothing
+            if soft:
+                n = self.limit
+            else:
+                raise StreamError("pickle data was truncated")
         parts = [self.buf[self.pos :]]
         have = len(parts[0])
         while have < n and not self.eof:
-            want = max(WINDOW, n - have)
-            data = os.read(self.fd, want)
+            # Never ask for more than a window at once: a length read from the file sizes no
+            # allocation before those bytes exist.
+            data = os.read(self.fd, WINDOW)
             if not data:
                 self.eof = True
                 break
@@ -377,36 +399,44 @@ class _Machine:
         return self.names[values[j]] if j >= 0 and slots[j] == i else None
 
     def put(self, i: int, value: Any) -> None:
-        if i in self.memo:
+        memo = self.memo
+        if i in memo:
             self.get_refs.pop(i, None)
             self.raw_ids.clear()
-        elif not self.is_sealed(i):
+        elif not self.sealed or not self.is_sealed(i):
             self.memo_len += 1
-        self.memo[i] = value
+        memo[i] = value
         if i > self.max_slot:
             self.max_slot = i
-        old = self.slot_name.pop(i, None)
-        if old is not None and self.slots.get(old) == i:
-            del self.slots[old]
-            self.version += 1
+        if not self.columns:
+            return
+        if self.slot_name:
+            old = self.slot_name.pop(i, None)
+            if old is not None and self.slots.get(old) == i:
+                del self.slots[old]
+                self.triggers.discard(i)
+                self.version += 1
         name = None
-        if type(value) is str:
+        t = type(value)
+        if t is str:
             if value in _FIELD_NAMES:
                 name = value
             if len(self.key_lengths) < 64:
-                n = len(value.encode("utf-8", "surrogatepass"))
+                n = len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
                 if 0 < n < 256 and n not in self.key_lengths:
                     self.key_lengths.add(n)
                     self.version += 1
         elif value is torch.Size:
             name = "Size"
-        elif isinstance(value, type):
+        elif t is type:
             name = self.mirror_names.get(value)
         if name is not None:
             if self.slots.get(name) != i:
                 self.version += 1
             self.slots[name] = i
             self.slot_name[i] = name
+            if name in ("ChunkStorageMetadata", "MetadataIndex"):
+                self.triggers.add(i)
 
     def get(self, i: int) -> Any:
         try:
@@ -436,23 +466,42 @@ class _Machine:
             del stack[k:]
             return items
 
+        triggers = self.triggers
+        memo = self.memo
         while True:
-            if self.pos >= len(self.buf):
-                self.need(1)
-            op = self.buf[self.pos]
-            if op in (_BINGET, _LONG_BINGET) and self.slots:
-                done = self.try_run(stack)
-                if done:
-                    continue
-            self.pos += 1
+            pos = self.pos
+            buf = self.buf
+            if pos + 9 > len(buf):  # an opcode and its fixed-size argument, or refill
+                self.need(min(9, self.limit), soft=True)
+                pos, buf = self.pos, self.buf
+                if pos >= len(buf):
+                    raise StreamError("pickle data was truncated")
+            op = buf[pos]
+            if op == _BINGET:
+                slot = buf[pos + 1] if pos + 1 < len(buf) else -1
+                if slot in triggers:
+                    if self.try_run(stack):
+                        continue
+                    pos = self.pos  # the attempt may have refilled the buffer
+                self.pos = pos + 2
+                if slot < 0:
+                    raise StreamError("pickle data was truncated")
+                got = memo.get(slot, memo)
+                stack.append(got if got is not memo else memo_get(slot))
+                continue
+            if op == _LONG_BINGET:
+                if triggers:
+                    if self.try_run(stack):
+                        continue
+                    pos = self.pos  # the attempt may have refilled the buffer
+                self.pos = pos + 1
+                stack.append(memo_get(struct.unpack("<I", take(4))[0]))
+                continue
+            self.pos = pos + 1
             if op == _MEMOIZE:
                 if not stack:
                     raise StreamError("stack is empty")
                 put(self.memo_len, stack[-1])
-            elif op == _BINGET:
-                stack.append(memo_get(take(1)[0]))
-            elif op == _LONG_BINGET:
-                stack.append(memo_get(struct.unpack("<I", take(4))[0]))
             elif op == _MARK:
                 marks.append(len(stack))
             elif op == _BININT1:
@@ -616,7 +665,63 @@ class _Machine:
                     f"{self.what} holds a persistent reference; refusing to load it"
                 )
             else:
-                raise Fallback(f"opcode {op:#x}")
+                self.text_op(op, stack, pop_mark)
+
+    def text_op(self, op: int, stack: list[Any], pop_mark: Callable[[], list[Any]]) -> None:
+        """The opcodes of protocols 0 and 1 (pickle.dump writes none for DCP metadata)."""
+        if op == _INT:
+            text = self.line()
+            value: Any = {b"00": False, b"01": True}.get(text)
+            stack.append(int(text, 0) if value is None else value)
+        elif op == _LONG:
+            stack.append(int(self.line().rstrip(b"L"), 0))
+        elif op == _FLOAT:
+            stack.append(float(self.line()))
+        elif op == _STRING:
+            text = self.line()
+            if len(text) < 2 or text[0] != text[-1] or text[:1] not in (b"'", b'"'):
+                raise StreamError("the STRING opcode argument must be quoted")
+            stack.append(codecs.escape_decode(text[1:-1])[0].decode("ascii"))
+        elif op == _UNICODE:
+            stack.append(self.line().decode("raw-unicode-escape"))
+        elif op == _BINSTRING:
+            (n,) = struct.unpack("<i", self.take(4))
+            if n < 0:
+                raise StreamError("BINSTRING pickle has negative byte count")
+            stack.append(self.take(n).decode("ascii"))
+        elif op == _SHORT_BINSTRING:
+            stack.append(self.take(self.take(1)[0]).decode("ascii"))
+        elif op == _BYTEARRAY8:
+            stack.append(bytearray(self.take(struct.unpack("<Q", self.take(8))[0])))
+        elif op == _GET:
+            stack.append(self.get(int(self.line())))
+        elif op == _PUT:
+            i = int(self.line())
+            if i < 0:
+                raise StreamError("negative PUT argument")
+            if not stack:
+                raise StreamError("stack is empty")
+            self.put(i, stack[-1])
+        elif op in (_INST, _OBJ):
+            if op == _INST:
+                module = self.line().decode("utf-8")
+                name = self.line().decode("utf-8")
+                cls = admitted_global(module, name, self.what, self.resolve)
+                args = pop_mark()
+            else:
+                args = pop_mark()
+                if not args:
+                    raise StreamError("OBJ without a class")
+                cls, args = args[0], args[1:]
+            if not isinstance(cls, type):
+                raise StreamError("INST/OBJ class argument isn't a type object")
+            stack.append(cls(*args))
+        elif op in (_EXT1, _EXT2, _EXT4):
+            raise UnsafePickleError(
+                f"{self.what} names a class by an extension code; refusing to load it"
+            )
+        else:  # NEXT_BUFFER, READONLY_BUFFER, or no opcode at all
+            raise StreamError(f"invalid load key, {chr(op)!r}.")
 
     def line(self) -> bytes:
         out = bytearray()
@@ -675,7 +780,7 @@ class _Machine:
     # -- runs ---------------------------------------------------------------------------------
     def try_run(self, stack: list[Any]) -> bool:
         """Reads a run of chunk or storage records at `pos` as columns, if one starts there."""
-        if self.max_slot >= self.memo_len:
+        if not self.columns or self.max_slot >= self.memo_len:
             return False  # a slot was set ahead: MEMOIZE would not append
         buf, pos = self.buf, self.pos
         op = buf[pos]
@@ -786,18 +891,16 @@ class _Machine:
         for program, runs in self.pending.items():
             total = sum(n for _, _, n in runs)
             raw = torch.frombuffer(bytearray().join(w for _, w, _ in runs), dtype=torch.uint8)
-            cols = program.run(raw.view(total, program.width))
+            table = torch.stack(program.run(raw.view(total, program.width)), 1)
+            ndim = table.shape[1] - 2  # storage records: their offsets, then offset and length
             k = 0
             for run, _, n in runs:
-                part = [c[k : k + n] for c in cols]
-                k += n
                 if type(run) is ChunkRun:
-                    run.coords = torch.stack(part, 1)
+                    run.coords = table[k : k + n]
                 else:
-                    ndim = len(part) - 2
-                    run.offsets = torch.stack(part[:ndim], 1) if ndim else torch.empty(
-                        n, 0, dtype=torch.int64)  # fmt: skip
-                    run.where = torch.stack(part[ndim:], 1)
+                    run.offsets = table[k : k + n, :ndim]
+                    run.where = table[k : k + n, ndim:]
+                k += n
         self.pending.clear()
         self.pending_bytes = 0
 
@@ -877,19 +980,43 @@ def _build(inst: Any, state: Any) -> None:
 
 
 def read_metadata_stream(
-    fd: int, what: str, resolve: Callable[[str, str], Any], limit: int
+    fd: int,
+    what: str,
+    resolve: Callable[[str, str], Any] | None,
+    limit: int,
+    *,
+    columns: bool = True,
 ) -> Parsed:
-    """Reads an open ``.metadata`` from its current position (see NOTE: [metadata columns]).
+    """Reads an open ``.metadata`` from its start (see NOTE: [metadata columns]).
+
+    Args:
+        fd: The open file (read from offset 0).
+        what: The file, for messages.
+        resolve: Builds an admitted DCP class (the mirrors); None builds DCP's own classes
+            (then no column runs are made).
+        limit: Most bytes read.
+        columns: Read runs of chunk and storage records as columns (False: objects only).
 
     Raises:
-        Fallback: Read it with the unpickler instead (the descriptor is left anywhere).
         StreamError: The pickle is malformed.
         UnsafePickleError: It names a class outside the allowlist.
         ValueError: It is larger than `limit` bytes.
     """
-    m = _Machine(fd, what, resolve, limit)
     try:
-        md = m.load()
+        return _read(fd, what, resolve, limit, columns)
+    except Fallback:
+        # A reference into records read as columns (pickle.dump never writes one): read again,
+        # every record an object.
+        return _read(fd, what, resolve, limit, False)
+
+
+def _read(
+    fd: int, what: str, resolve: Callable[[str, str], Any] | None, limit: int, columns: bool
+) -> Parsed:
+    os.lseek(fd, 0, os.SEEK_SET)
+    m = _Machine(fd, what, resolve, limit, columns)
+    try:
+        md = on_a_deep_stack(m.load, min(limit, os.fstat(fd).st_size))
     except _TooLarge:
         raise ValueError(f"larger than {limit} bytes") from None
     except (struct.error, IndexError, TypeError, AttributeError, KeyError, UnicodeDecodeError,
