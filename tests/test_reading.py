@@ -788,3 +788,17 @@ def test_a_memo_index_from_the_file_sizes_nothing(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert "holds a NoneType, not DCP Metadata" in done.stdout
+
+
+def test_a_position_set_twice_reads_as_a_dict_reads_it(
+    pristine_metadata: tuple[Path, bytes],
+) -> None:
+    """A storage record copied into the middle of ``storage_data`` (found by the fuzzer): the
+    same position is set by a plain record and again inside a run; a dict keeps the last, and
+    so does the index (read again as objects)."""
+    path, raw = pristine_metadata
+    try:
+        (path / ".metadata").write_bytes(raw[:3551] + raw[3551:3703] + raw[3551:])
+        assert _outcome(path, 0) == _outcome(path, 1 << 40)
+    finally:
+        (path / ".metadata").write_bytes(raw)

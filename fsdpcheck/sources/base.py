@@ -78,6 +78,8 @@ def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
         raise FileNotFoundError(f"{what} {p} does not exist") from None
     except PermissionError:
         raise PermissionError(f"{what} {p}: permission denied") from None
+    except (ValueError, OSError) as exc:  # a NUL byte, a name too long, ...
+        raise CheckpointError(f"{what} {p!r:.200} cannot be opened: {one_line(exc)}") from None
     if not stat.S_ISREG(st.st_mode):
         raise _refused(p, what, st.st_mode)
     return p
@@ -133,6 +135,8 @@ def relative_path_problem(root: Path, rel: str, real_root: Path | None = None) -
 
     `real_root` is ``root.resolve()`` when the caller has it (checks of many files).
     """
+    if "\x00" in rel:
+        return f"names {rel!r}, which holds a NUL byte (no file can)"
     pure = PurePosixPath(rel)
     if not pure.parts or rel in (".", "./"):
         return f"names {rel!r}, which is not a file"

@@ -57,6 +57,7 @@ from fsdpcheck.sources.dcp_metadata import (
 from fsdpcheck.sources.dcp_pickle import (
     SMALL,
     ChunkRun,
+    Fallback,
     Parsed,
     StreamError,
     read_metadata_stream,
@@ -266,7 +267,7 @@ def _product(ranges: list[range]) -> list[tuple[int, ...]]:
 
 
 # -------------------------------------------------------------------------------------------
-def read_parsed(root: Path) -> Parsed:
+def read_parsed(root: Path, columns: bool | None = None) -> Parsed:
     """``.metadata`` of `root`, opened by what it is and read as it streams.
 
     Files of `SMALL` bytes and more read their runs of chunk and storage records as columns;
@@ -287,7 +288,8 @@ def read_parsed(root: Path) -> Parsed:
                 f"{what} has {st.st_size} bytes, more than the {MAX_METADATA} fsdpcheck reads; "
                 "refusing it"
             )
-        columns = st.st_size >= SMALL
+        if columns is None:
+            columns = st.st_size >= SMALL
         return read_metadata_stream(fd, what, _mirror, MAX_METADATA, columns=columns)
     except (UnsafePickleError, CheckpointError):
         raise
@@ -329,7 +331,13 @@ def open_index(
     torch.set_num_threads(1)
     try:
         parsed = read_parsed(root)
-        index = build_index(parsed, root)
+        try:
+            index = build_index(parsed, root)
+        except Fallback:
+            # Column runs and plain objects disagree where the same position is set twice (or
+            # the file is malformed there): what a dict makes of it decides, read as objects.
+            parsed = read_parsed(root, columns=False)
+            index = build_index(parsed, root)
         big = parsed.nbytes >= 4 << 20
         del parsed
         if big:
@@ -349,10 +357,15 @@ def build_index(parsed: Parsed, root: Path) -> DcpIndex:
     """
     md = parsed.metadata
     what = f"DCP metadata {root / METADATA_FILE}"
+    runs = bool(parsed.chunk_runs or parsed.storage_runs)
     try:
         validate_metadata(md, what)
     except RecursionError:
         raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
+    except CheckpointError:
+        if runs:  # the objects decide (a stale plain entry a run overwrites, ...)
+            raise Fallback("invalid next to column runs") from None
+        raise
     paths = planner_paths(md)
     keys: list[str] = []
     tensor: list[bool] = []
@@ -433,7 +446,7 @@ def build_index(parsed: Parsed, root: Path) -> DcpIndex:
         value_entry={},
         key_id={k: i for i, k in enumerate(keys)},
     )
-    _storage(index, parsed, what)
+    _storage(index, parsed, what, runs)
     return index
 
 
@@ -483,7 +496,7 @@ def _columns(
     return out
 
 
-def _storage(index: DcpIndex, parsed: Parsed, what: str) -> None:
+def _storage(index: DcpIndex, parsed: Parsed, what: str, runs: bool) -> None:
     """Fills the entry columns and joins chunks and values to their entries (last one wins)."""
     md = parsed.metadata
     names: list[str] = list(parsed.names)
@@ -540,9 +553,9 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str) -> None:
     items = list(md.storage_data.items())
     from_runs: list[int] = []
     at = 0
-    runs = parsed.storage_runs.pop(id(md.storage_data), [])
-    for j, (before, run) in enumerate(runs):
-        runs[j] = (before, None)  # type: ignore[assignment]  # its columns go once copied
+    pieces = parsed.storage_runs.pop(id(md.storage_data), [])
+    for j, (before, run) in enumerate(pieces):
+        pieces[j] = (before, None)  # type: ignore[assignment]  # its columns go once copied
         plain(items[at:before])
         at = max(at, before)
         n = len(run)
@@ -591,11 +604,16 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str) -> None:
     index.names = names
     index.files = list(files)
     index.transforms = list(transforms)
-    _join(index, e_off, e_nd)
+    _join(index, e_off, e_nd, runs)
 
 
-def _join(index: DcpIndex, e_off: torch.Tensor, e_nd: torch.Tensor) -> None:
-    """Each chunk's and value's storage entry: the last entry at its position (as a dict)."""
+def _join(index: DcpIndex, e_off: torch.Tensor, e_nd: torch.Tensor, runs: bool) -> None:
+    """Each chunk's and value's storage entry: the last entry at its position (as a dict).
+
+    Raises:
+        Fallback: Column runs and two entries at one position (a dict keeps one key object
+            with the last value; read as objects, exactly).
+    """
     D = index.coords.shape[1] // 2
     n_entries = e_off.shape[0]
     key_of_name = torch.tensor(
@@ -648,6 +666,15 @@ def _join(index: DcpIndex, e_off: torch.Tensor, e_nd: torch.Tensor) -> None:
 
         e_code, e_in = code(kk, e_off)
         e_code = torch.where(ok & e_in, e_code, -1)
+        if runs:
+            codes = torch.sort(e_code[e_code >= 0]).values
+            if bool((codes[1:] == codes[:-1]).any()):
+                raise Fallback("two storage entries at one position")
+            others = (e_code < 0).nonzero().flatten().tolist()  # rare: Python is fine
+            seen = {(int(index.entry_names[e]), int(e_nd[e]), tuple(e_off[e].tolist()))
+                    for e in others}  # fmt: skip
+            if len(seen) != len(others):
+                raise Fallback("two storage entries at one position")
         c_code, c_in = code(c_key, index.coords[:, :D])
         for k in c_key[~c_in].unique().tolist():
             slow.add(k)  # a chunk outside its shape: its key is joined in Python

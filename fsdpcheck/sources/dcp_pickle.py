@@ -303,7 +303,10 @@ class _Machine:
         self.read_total = 0
         self.eof = False
         self.hash = hashlib.sha256()
+        # The memo: a list while it fills in order (8 bytes a slot: an objects-only read of
+        # 100k keys memoizes ~1.5M objects), a dict for slots set far ahead or around runs.
         self.memo: dict[int, Any] = {}
+        self.mlist: list[Any] = []
         self.memo_len = 0
         self.max_slot = -1
         # Each run's memo slots: (first, end, slots per record, the fqn ids when some records
@@ -399,6 +402,27 @@ class _Machine:
         return self.names[values[j]] if j >= 0 and slots[j] == i else None
 
     def put(self, i: int, value: Any) -> None:
+        if not self.columns:
+            mlist = self.mlist
+            n = len(mlist)
+            if i == n:
+                mlist.append(value)
+                self.memo_len += 1
+            elif i < n:
+                if mlist[i] is _HOLE:
+                    self.memo_len += 1
+                mlist[i] = value
+            elif i < n + (1 << 16):
+                mlist.extend([_HOLE] * (i - n))
+                mlist.append(value)
+                self.memo_len += 1
+            else:  # far ahead: a dict entry, not gigabytes of holes
+                if i not in self.memo:
+                    self.memo_len += 1
+                self.memo[i] = value
+            if i > self.max_slot:
+                self.max_slot = i
+            return
         memo = self.memo
         if i in memo:
             self.get_refs.pop(i, None)
@@ -408,8 +432,6 @@ class _Machine:
         memo[i] = value
         if i > self.max_slot:
             self.max_slot = i
-        if not self.columns:
-            return
         if self.slot_name:
             old = self.slot_name.pop(i, None)
             if old is not None and self.slots.get(old) == i:
@@ -439,6 +461,8 @@ class _Machine:
                 self.triggers.add(i)
 
     def get(self, i: int) -> Any:
+        if i < len(self.mlist) and self.mlist[i] is not _HOLE:
+            return self.mlist[i]
         try:
             return self.memo[i]
         except KeyError:
@@ -468,6 +492,7 @@ class _Machine:
 
         triggers = self.triggers
         memo = self.memo
+        mlist = self.mlist
         while True:
             pos = self.pos
             buf = self.buf
@@ -486,8 +511,8 @@ class _Machine:
                 self.pos = pos + 2
                 if slot < 0:
                     raise StreamError("pickle data was truncated")
-                got = memo.get(slot, memo)
-                stack.append(got if got is not memo else memo_get(slot))
+                got = mlist[slot] if slot < len(mlist) else memo.get(slot, _HOLE)
+                stack.append(got if got is not _HOLE else memo_get(slot))
                 continue
             if op == _LONG_BINGET:
                 if triggers:
@@ -936,6 +961,9 @@ class _Machine:
 
 class _TooLarge(Exception):
     pass
+
+
+_HOLE = object()  # a memo slot not set
 
 
 #: The mirror classes templates are keyed to, by (module, name).
