@@ -45,6 +45,7 @@ from fsdpcheck.sources.dcp_metadata import (
     MAX_METADATA,
     METADATA_FILE,
     _mirror,
+    chunk_finding,
     is_tensor_meta,
     no_entry,
     outside_shape,
@@ -52,7 +53,6 @@ from fsdpcheck.sources.dcp_metadata import (
     position,
     short_data,
     validate_metadata,
-    wrong_dims,
 )
 from fsdpcheck.sources.dcp_pickle import (
     SMALL,
@@ -891,26 +891,18 @@ def _check_odd(
     good: list[Box] = []
     itemsize = dtype.itemsize if dtype is not None else 0
     for i, ((o, s), e) in enumerate(zip(boxes, entries)):
-        if len(o) != len(shape) or len(s) != len(shape):
-            problems.append((key, "layout", wrong_dims(o, shape)))
-            continue
-        if any(a < 0 or b < 0 or a + b > g for a, b, g in zip(o, s, shape)):
-            problems.append((key, "layout", outside_shape(o, s, shape)))
-            continue
-        n = math.prod(s)
-        if n > 0 or not shape:
+        stored = int(index.entry_where[e, 1]) if e >= 0 else None
+        found, live = chunk_finding(o, s, shape, itemsize, stored)
+        if live:
             good.append((o, s))
-        if e < 0:
-            if n > 0 or not shape:
-                problems.append((key, "missing", no_entry(o)))
-            continue
-        length = int(index.entry_where[e, 1])
-        if n * itemsize > length:
-            problems.append((key, "error", short_data(o, n, itemsize, length)))
-            if e not in entry_bad:
-                declared.append((key, problems[-1][2]))
-            bad.setdefault(i, problems[-1][2])
-        if e in entry_bad:
+        if found is not None:
+            problems.append((key, *found))
+            if found[0] == "error":
+                if e not in entry_bad:
+                    declared.append((key, found[1]))
+                bad.setdefault(i, found[1])
+        inside = found is None or found[0] == "error"  # in the shape, with an entry
+        if inside and e in entry_bad:
             bad.setdefault(i, entry_bad[e])
     _tiling(key, shape, good, out)
     if not bad:

@@ -464,6 +464,39 @@ def short_data(off: Any, n: int, itemsize: int, length: int) -> str:
     )
 
 
+def chunk_finding(
+    off: tuple[int, ...],
+    size: tuple[int, ...],
+    shape: tuple[int, ...],
+    itemsize: int,
+    stored: int | None,
+) -> tuple[tuple[str, str] | None, bool]:
+    """What is wrong with one saved chunk ((kind, message) or None) and whether it tiles.
+
+    Args:
+        off: The chunk's offsets.
+        size: The chunk's sizes.
+        shape: Its tensor's global shape.
+        itemsize: Bytes per element.
+        stored: Bytes of its storage entry (None: it has none).
+
+    Returns:
+        The finding (kind "layout", "missing" or "error"), and whether the chunk takes part in
+        the tiling check (inside the shape, non-empty or 0-d).
+    """
+    if len(off) != len(shape) or len(size) != len(shape):
+        return ("layout", wrong_dims(off, shape)), False
+    if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
+        return ("layout", outside_shape(off, size, shape)), False
+    n = math.prod(size)
+    live = n > 0 or not shape
+    if stored is None:
+        return (("missing", no_entry(off)) if live else None), live
+    if n * itemsize > stored:
+        return ("error", short_data(off, n, itemsize, stored)), live
+    return None, live
+
+
 def planner_paths(md: Any) -> dict[str, tuple[str, ...]]:
     """Each key's structural path from DCP's planner data (the key itself where there is none).
 
@@ -518,23 +551,15 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
         itemsize = meta.properties.dtype.itemsize
         for c in meta.chunks:
             off, size = tuple(c.offsets), tuple(c.sizes)
-            if len(off) != len(shape) or len(size) != len(shape):
-                problems.append((key, "layout", wrong_dims(off, shape)))
-                continue
-            if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
-                problems.append((key, "layout", outside_shape(off, size, shape)))
-                continue
-            n = math.prod(size)
-            if n > 0 or not shape:
-                boxes.append((off, size))
             info = storage.get((key, off))
-            if info is None:
-                if n > 0 or not shape:
-                    problems.append((key, "missing", no_entry(off)))
-                continue
-            if n * itemsize > info.length:
-                problems.append((key, "error", short_data(off, n, itemsize, info.length)))
-                bad.setdefault((key, off), problems[-1][2])
+            found, live = chunk_finding(off, size, shape, itemsize,
+                                        None if info is None else info.length)  # fmt: skip
+            if live:
+                boxes.append((off, size))
+            if found is not None:
+                problems.append((key, *found))
+                if found[0] == "error":
+                    bad.setdefault((key, off), found[1])
         for p in tiling_problems(shape, boxes):
             if p.startswith("gap"):
                 gaps.add(key)
