@@ -16,6 +16,7 @@ and peak RSS (``ru_maxrss`` of the child):
 Examples:
     python bench/bench_scale_offline.py --keep /tmp/fsdpcheck-scale
     python bench/bench_scale_offline.py --keep /tmp/fsdpcheck-scale --cases chunks --reps 3
+    python bench/bench_scale_offline.py --cases chunks --src /tmp/base  # an older checkout
 """
 
 from __future__ import annotations
@@ -151,6 +152,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--build", default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--src",
+        type=Path,
+        default=None,
+        help="time the fsdpcheck package in this folder instead (a baseline checkout whose "
+        "fsdpcheck/ holds the built extension)",
+    )
     args = ap.parse_args()
     builders = {"chunks": build_chunks, "st": build_st, "dcp": build_dcp}
     if args.build:
@@ -158,7 +166,13 @@ def main() -> None:
         return
     args.keep.mkdir(parents=True, exist_ok=True)
     cases = args.cases.split(",")
-    fsd = [PY, "-c", CLI]
+    pre = ""
+    if args.src is not None:  # as bench_offline: the editable install's finder set aside
+        pre = (
+            "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in "
+            f"type(f).__module__]\nsys.path.insert(0, {str(args.src)!r})\n"
+        )
+    fsd = [PY, "-c", pre + CLI]
     rows: list[tuple[str, list[str]]] = []
     t0 = time.perf_counter()
 

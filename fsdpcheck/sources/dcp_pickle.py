@@ -493,17 +493,35 @@ class _Machine:
         triggers = self.triggers
         memo = self.memo
         mlist = self.mlist
+        in_order = not self.columns  # MEMOIZE appends to `mlist` (see `put`)
+        buf, buflen = self.buf, len(self.buf)
         while True:
+            # Hot opcodes read their fixed-size argument from the buffer directly: at least 9
+            # bytes (an opcode and 8) are in it, or the file ends.
             pos = self.pos
-            buf = self.buf
-            if pos + 9 > len(buf):  # an opcode and its fixed-size argument, or refill
+            if buf is not self.buf:
+                buf, buflen = self.buf, len(self.buf)
+            if pos + 9 > buflen:
                 self.need(min(9, self.limit), soft=True)
-                pos, buf = self.pos, self.buf
-                if pos >= len(buf):
+                pos, buf, buflen = self.pos, self.buf, len(self.buf)
+                if pos >= buflen:
                     raise StreamError("pickle data was truncated")
             op = buf[pos]
+            if op == _MEMOIZE:
+                if not stack:
+                    raise StreamError("stack is empty")
+                self.pos = pos + 1
+                n = self.memo_len
+                if in_order and n == len(mlist):
+                    mlist.append(stack[-1])
+                    self.memo_len = n + 1
+                    if n > self.max_slot:
+                        self.max_slot = n
+                else:
+                    put(n, stack[-1])
+                continue
             if op == _BINGET:
-                slot = buf[pos + 1] if pos + 1 < len(buf) else -1
+                slot = buf[pos + 1] if pos + 1 < buflen else -1
                 if slot in triggers:
                     if self.try_run(stack):
                         continue
@@ -519,77 +537,83 @@ class _Machine:
                     if self.try_run(stack):
                         continue
                     pos = self.pos  # the attempt may have refilled the buffer
+                if pos + 5 <= len(self.buf):
+                    self.pos = pos + 5
+                    stack.append(memo_get(struct.unpack_from("<I", self.buf, pos + 1)[0]))
+                    continue
                 self.pos = pos + 1
                 stack.append(memo_get(struct.unpack("<I", take(4))[0]))
                 continue
-            self.pos = pos + 1
-            if op == _MEMOIZE:
-                if not stack:
-                    raise StreamError("stack is empty")
-                put(self.memo_len, stack[-1])
-            elif op == _MARK:
+            if op == _BININT1 and pos + 2 <= buflen:
+                stack.append(buf[pos + 1])
+                self.pos = pos + 2
+                continue
+            if op == _MARK:
                 marks.append(len(stack))
-            elif op == _BININT1:
-                stack.append(take(1)[0])
-            elif op == _BININT2:
-                stack.append(struct.unpack("<H", take(2))[0])
-            elif op == _BININT:
-                stack.append(struct.unpack("<i", take(4))[0])
-            elif op == _SHORT_BINUNICODE:
-                n = take(1)[0]
-                stack.append(take(n).decode("utf-8", "surrogatepass"))
-            elif op == _EMPTY_TUPLE:
+                self.pos = pos + 1
+                continue
+            self.pos = pos + 1
+            if op == _EMPTY_TUPLE:
                 stack.append(())
-            elif op == _TUPLE1:
-                stack[-1] = (stack[-1],)
-            elif op == _TUPLE2:
-                if len(stack) < 2:
-                    raise StreamError("stack is empty")
-                stack[-2:] = [(stack[-2], stack[-1])]
-            elif op == _TUPLE3:
-                if len(stack) < 3:
-                    raise StreamError("stack is empty")
-                stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
-            elif op == _TUPLE:
-                stack.append(tuple(pop_mark()))
-            elif op == _REDUCE:
-                args = stack.pop()
-                func = stack[-1]
-                if not isinstance(args, tuple):
-                    raise StreamError("REDUCE argument must be a tuple")
-                stack[-1] = func(*args)
             elif op == _NEWOBJ:
                 args = stack.pop()
                 cls = stack[-1]
                 if not isinstance(cls, type) or not isinstance(args, tuple):
                     raise StreamError("NEWOBJ class argument isn't a type object")
                 stack[-1] = cls.__new__(cls, *args)
-            elif op == _EMPTY_DICT:
-                stack.append({})
-            elif op == _EMPTY_LIST:
-                stack.append([])
+            elif op == _TUPLE1:
+                stack[-1] = (stack[-1],)
+            elif op == _BUILD:
+                state = stack.pop()
+                _build(stack[-1], state)
             elif op == _SETITEMS:
                 items = pop_mark()
                 self.setitems(stack[-1], items)
-            elif op == _SETITEM:
-                v = stack.pop()
-                k = stack.pop()
-                self.setitems(stack[-1], [k, v])
+            elif op == _EMPTY_DICT:
+                stack.append({})
+            elif op == _REDUCE:
+                args = stack.pop()
+                func = stack[-1]
+                if not isinstance(args, tuple):
+                    raise StreamError("REDUCE argument must be a tuple")
+                stack[-1] = func(*args)
+            elif op == _TUPLE2:
+                if len(stack) < 2:
+                    raise StreamError("stack is empty")
+                stack[-2:] = [(stack[-2], stack[-1])]
+            elif op == _NEWFALSE:
+                stack.append(False)
+            elif op == _SHORT_BINUNICODE:
+                n = take(1)[0]
+                stack.append(take(n).decode("utf-8", "surrogatepass"))
+            elif op == _BININT2:
+                stack.append(struct.unpack("<H", take(2))[0])
+            elif op == _BININT:
+                stack.append(struct.unpack("<i", take(4))[0])
+            elif op == _BININT1:
+                stack.append(take(1)[0])
+            elif op == _NONE:
+                stack.append(None)
+            elif op == _NEWTRUE:
+                stack.append(True)
+            elif op == _EMPTY_LIST:
+                stack.append([])
             elif op == _APPENDS:
                 items = pop_mark()
                 self.appends(stack[-1], items)
             elif op == _APPEND:
                 v = stack.pop()
                 self.appends(stack[-1], [v])
-            elif op == _BUILD:
-                state = stack.pop()
-                _build(stack[-1], state)
-            elif op == _NONE:
-                stack.append(None)
-            elif op == _NEWFALSE:
-                stack.append(False)
-            elif op == _NEWTRUE:
-                stack.append(True)
+            elif op == _SETITEM:
+                v = stack.pop()
+                k = stack.pop()
+                self.setitems(stack[-1], [k, v])
+            elif op == _TUPLE3:
+                if len(stack) < 3:
+                    raise StreamError("stack is empty")
+                stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+            elif op == _TUPLE:
+                stack.append(tuple(pop_mark()))
             elif op == _STACK_GLOBAL:
                 name = stack.pop()
                 module = stack.pop()
@@ -770,8 +794,7 @@ class _Machine:
             self.hash.update(data)
 
     def setitems(self, target: Any, items: list[Any]) -> None:
-        runs = [i for i, it in enumerate(items) if type(it) is StorageRun]
-        if runs:
+        if self.columns and any(type(it) is StorageRun for it in items):
             if type(target) is not dict:
                 raise Fallback("storage records outside a dict")
             lst = self.storage_runs.setdefault(id(target), [])
