@@ -26,7 +26,7 @@ from fsdpcheck.sources.base import (
     Source,
     open_regular,
 )
-from fsdpcheck.sources.dcp_index import DcpIndex, StorageProblems, open_index
+from fsdpcheck.sources.dcp_index import DcpIndex, Storage, StorageProblems, open_index
 from fsdpcheck.sources.dcp_metadata import Position
 from fsdpcheck.sources.rawio import (
     Mapped,
@@ -155,11 +155,16 @@ class DCPSource(Source):
         del ndim
         return self._index.chunk(key, i)
 
-    def _coverage(self, region: Region) -> list[tuple[int, Box]]:
+    def _coverage(self, region: Region, singles: _Singles) -> list[tuple[int, Box]]:
         """The readable chunks meeting `region` as (position, box), covering it exactly once."""
         key = region.key
         shape = self._entries[key].shape
         box = (tuple(region.offset), tuple(region.size))
+        one = singles.get(key)
+        if one is not None and one[1] >= 0 and _inside(one[0], shape):
+            c = one[0]
+            if all(o >= a and o + n <= a + m for o, n, a, m in zip(box[0], box[1], c[0], c[1])):
+                return [(0, c)]  # inside the key's one saved chunk
         meeting = []
         for i in self._index.overlapping(key, box[0], box[1]):
             c = self._chunk(key, i, len(shape))
@@ -228,11 +233,12 @@ class DCPSource(Source):
         views: bool,
     ) -> list[torch.Tensor]:
         plans: list[list[tuple[int, Box]]] = []
+        singles = self._index.singles(r.key for r in regions)
         for region in regions:
             entry = self._entries[region.key]
             if not entry.is_tensor:
                 raise KeyError(f"{region.key} is not a tensor in {self.description}")
-            chunks = self._coverage(region) if region.numel else []
+            chunks = self._coverage(region, singles) if region.numel else []
             bad = self._check.bad_chunks.get(region.key, {}) if self._check else {}
             for i, _ in chunks:  # refused before anything is allocated or opened
                 why = bad.get(i)
@@ -244,7 +250,7 @@ class DCPSource(Source):
         raw: dict[str, list[_RawItem]] = {}
         for i, (region, chunks) in enumerate(zip(regions, plans)):
             box = (tuple(region.offset), tuple(region.size))
-            view = self._mapped_view(region, chunks) if views else None
+            view = self._mapped_view(region, chunks, singles) if views else None
             if view is not None:
                 dests.append(view)  # read in place: the kernel reads the mapped pages
                 continue
@@ -261,8 +267,9 @@ class DCPSource(Source):
                 lo, n = part
                 dest_off = tuple(a - b for a, b in zip(lo, region.offset))
                 src_off = tuple(a - b for a, b in zip(lo, c_off))
-                rc, rel = self._raw_chunk(region.key, c_pos, c_size) if self.raw_reads else (
-                    None, "")  # fmt: skip
+                rc, rel = (None, "")
+                if self.raw_reads:
+                    rc, rel = self._raw_chunk(region.key, c_pos, c_size, singles)
                 if rc is not None:
                     target = dests[i]
                     for d, (o, k) in enumerate(zip(dest_off, n)):
@@ -277,7 +284,10 @@ class DCPSource(Source):
             self._run(items, _Planner(dests))
         return dests
 
-    def _storage(self, key: str, pos: int) -> tuple[str, int, int, tuple[str, ...]]:
+    def _storage(self, key: str, pos: int, singles: _Singles) -> Storage:
+        one = singles.get(key)
+        if one is not None and one[2] is not None:
+            return one[2]
         return self._index.storage(self._index.chunk_entry(key, pos))
 
     @property
@@ -302,7 +312,9 @@ class DCPSource(Source):
         i = self._index.position_of(key, offsets)
         return None if i is None else bad.get(i)
 
-    def _mapped_view(self, region: Region, chunks: list[tuple[int, Box]]) -> torch.Tensor | None:
+    def _mapped_view(
+        self, region: Region, chunks: list[tuple[int, Box]], singles: _Singles
+    ) -> torch.Tensor | None:
         """The region as a view of the mapped data file, when one raw chunk holds all of it.
 
         NOTE: [mapped files] in ``rawio``: the region is handed over where it lies (pages mapped
@@ -317,7 +329,7 @@ class DCPSource(Source):
         box = (tuple(region.offset), tuple(region.size))
         if intersect(box, (c_off, c_size)) != box:
             return None
-        rc, rel = self._raw_chunk(region.key, c_pos, c_size)
+        rc, rel = self._raw_chunk(region.key, c_pos, c_size, singles)
         if rc is None:
             return None
         mapped = self._files.mapped(rel)
@@ -334,13 +346,15 @@ class DCPSource(Source):
         populate(t)
         return t
 
-    def _raw_chunk(self, key: str, pos: int, size: tuple[int, ...]) -> tuple[RawChunk | None, str]:
+    def _raw_chunk(
+        self, key: str, pos: int, size: tuple[int, ...], singles: _Singles
+    ) -> tuple[RawChunk | None, str]:
         """Where a chunk's elements lie (None: read it through the safe reader), and its file."""
         with self._lock:
             got = self._raw.get((key, pos))
             if got is not None:
                 return got
-        rel, offset, length, transforms = self._storage(key, pos)
+        rel, offset, length, transforms = self._storage(key, pos, singles)
         rc = None
         if not transforms:
             dtype = self._entries[key].dtype
@@ -412,6 +426,9 @@ class DCPSource(Source):
         plan = self._reader.prepare_global_plan([plan])[0]
         self._reader.read_data(plan, planner).wait()  # type: ignore[arg-type]
 
+
+#: Keys saved as one chunk, for the regions of one read (`DcpIndex.singles`).
+_Singles = dict[str, tuple[Box, int, Storage | None]]
 
 #: Data files open at once (a checkpoint of 10,000 files reads within ``ulimit -n`` 1024).
 MAX_OPEN = 64

@@ -25,7 +25,7 @@ import itertools
 import math
 import os
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,7 @@ class DcpIndex:
     value_entry: dict[str, int]
     key_id: dict[str, int] = field(default_factory=dict)
     _grids: dict[int, Any] = field(default_factory=dict, repr=False)
+    _shapes: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     # -- per key ------------------------------------------------------------------------------
     def chunks(self, key: str) -> list[Box]:
@@ -158,6 +159,33 @@ class DcpIndex:
         if grid is not None:
             return grid.boxes[i]
         return self.box(self.first[k] + i, len(self.shapes[k]))
+
+    def singles(self, keys: Iterable[str]) -> dict[str, tuple[Box, int, Storage | None]]:
+        """For the keys saved as one chunk: (its box, its entry row, where its bytes lie).
+
+        All at once (a few tensor ops for any number of keys): a batch of a hundred thousand
+        one-chunk tensors would otherwise pay several tensor lookups each.
+        """
+        ks = [k for k in set(keys) if k in self.key_id and k not in self.odd
+              and self.count[self.key_id[k]] == 1]  # fmt: skip
+        if not ks:
+            return {}
+        rows = torch.tensor([self.first[self.key_id[k]] for k in ks], dtype=torch.int64)
+        D = self.coords.shape[1] // 2
+        coords = self.coords[rows].tolist()
+        ents = self.entry[rows].tolist()
+        have = [e for e in ents if e >= 0]
+        at = torch.tensor(have, dtype=torch.int64)
+        where = self.entry_where[at].tolist() if have else []
+        files = self.entry_file[at].tolist() if have else []
+        trans = self.entry_transform[at].tolist() if have else []
+        info = {e: (self.files[f], w[0], w[1], self.transforms[t] if t >= 0 else ())
+                for e, w, f, t in zip(have, where, files, trans)}  # fmt: skip
+        out = {}
+        for k, c, e in zip(ks, coords, ents):
+            d = len(self.shapes[self.key_id[k]])
+            out[k] = ((tuple(c[:d]), tuple(c[D : D + d])), e, info.get(e))
+        return out
 
     def position_of(self, key: str, offsets: Sequence[int]) -> int | None:
         """The position of the (last) chunk of `key` starting at `offsets`, or None."""
@@ -264,6 +292,10 @@ def _product(ranges: list[range]) -> list[tuple[int, ...]]:
     for r in ranges:
         out = [(*c, j) for c in out for j in r]
     return out
+
+
+#: Where a storage entry's bytes lie: (relative path, byte offset, length, transforms).
+Storage = tuple[str, int, int, tuple[str, ...]]
 
 
 # -------------------------------------------------------------------------------------------
@@ -927,12 +959,16 @@ def _tiling(key: str, shape: tuple[int, ...], boxes: list[Box], out: StorageProb
 
 def _shape_table(index: DcpIndex) -> tuple[torch.Tensor, torch.Tensor]:
     """Per key: its shape padded to D with zeros, and its number of dims (0 for values)."""
+    if index._shapes is not None:  # made once per index
+        return index._shapes
     D = index.coords.shape[1] // 2
     pad = [list(s) + [0] * (D - len(s)) if t else [0] * D for s, t in
            zip(index.shapes, index.tensor)]  # fmt: skip
     ndim = [len(s) if t else 0 for s, t in zip(index.shapes, index.tensor)]
-    return (torch.tensor(pad, dtype=torch.int64).view(-1, D),
-            torch.tensor(ndim, dtype=torch.int64))  # fmt: skip
+    table = (torch.tensor(pad, dtype=torch.int64).view(-1, D),
+             torch.tensor(ndim, dtype=torch.int64))  # fmt: skip
+    index._shapes = table
+    return table
 
 
 def _tiles(
