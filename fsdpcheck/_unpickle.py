@@ -1,7 +1,9 @@
-"""A restricted unpickler for DCP ``.metadata``: no code from a checkpoint ever runs.
+"""What a DCP ``.metadata`` may name: no code from a checkpoint ever runs.
 
-It builds DCP's metadata classes (or fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in
-``fsdpcheck.sources.dcp_metadata``) and plain data, and refuses every other global.
+`admitted_global` is the allowlist the metadata reader (``fsdpcheck.sources.dcp_pickle``, a
+restricted pickle machine) resolves every global through: DCP's metadata classes (or
+fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in ``fsdpcheck.sources.dcp_metadata``)
+and plain data; every other global is refused.
 
 Why not ``torch.load(weights_only=True)``: ``.metadata`` is a bare pickle (not a torch.save zip)
 of DCP's own dataclasses, which torch's weights-only allowlist does not hold. The classes
@@ -86,10 +88,12 @@ def _torch_value(name: str) -> Any:
 def admitted_global(
     module: str, name: str, what: str, resolve: Callable[[str, str], Any] | None = None
 ) -> Any:
-    """The object a pickle's GLOBAL names, if the allowlist admits it (see `restricted_loads`).
+    """The object a pickle's GLOBAL names, if the allowlist admits it.
 
-    Shared by the restricted unpickler here and the streaming reader of DCP metadata
-    (``fsdpcheck.sources.dcp_pickle``), so both admit exactly the same names.
+    Admitted: DCP's metadata classes (or, with `resolve`, what it builds for them: the mirrors
+    of ``fsdpcheck.sources.dcp_metadata``), torch dtypes/layouts/memory formats,
+    ``torch.Size``, pure paths, DCP's enums and plain containers. The reader of DCP metadata
+    (``fsdpcheck.sources.dcp_pickle``) asks this for every global a file names.
 
     Raises:
         UnsafePickleError: Anything else (nothing is imported).
@@ -122,49 +126,12 @@ _BUILTINS: dict[tuple[str, str], Any] = {
 _NO_FILE = pickle.Unpickler(io.BytesIO(b""))
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(
-        self, file: io.BufferedIOBase, what: str, resolve: Callable[[str, str], Any] | None
-    ) -> None:
-        super().__init__(file)
-        self._what = what
-        self._resolve = resolve
-
-    def find_class(self, module: str, name: str) -> Any:
-        return admitted_global(module, name, self._what, self._resolve)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"{self._what} holds a persistent reference; refusing to load it")
-
-
 def _get_layout(name: str) -> torch.layout:
     """Torch's layout lookup by name (``torch.strided``), checked: only a layout comes back."""
     value = _torch_value(str(name).removeprefix("torch."))
     if not isinstance(value, torch.layout):
         raise UnsafePickleError(f"{name!r} is not a torch layout")
     return value
-
-
-def restricted_loads(
-    data: bytes, what: str, resolve: Callable[[str, str], Any] | None = None
-) -> Any:
-    """Unpickles `data` admitting only DCP metadata and plain data.
-
-    Admitted: DCP's metadata classes, torch dtypes/layouts/memory formats, ``torch.Size``, pure
-    paths, DCP's enums and plain containers.
-
-    Args:
-        data: The pickle.
-        what: The file it came from, for messages (e.g. ``"DCP metadata ckpt/.metadata"``).
-        resolve: Builds an admitted DCP class from (module, name) instead of importing it (the
-            mirror classes of ``fsdpcheck.sources.dcp_metadata``). Called only for admitted
-            names: the allowlist is the same either way.
-
-    Raises:
-        UnsafePickleError: It names anything else (one line naming module.class and `what`).
-        pickle.UnpicklingError: It is not a valid pickle.
-    """
-    return on_a_deep_stack(lambda: _Unpickler(io.BytesIO(data), what, resolve).load(), len(data))
 
 
 # C stack per byte of pickle. Each TUPLE1 opcode (one byte) nests a tuple one level deeper, and

@@ -6,23 +6,25 @@ per chunk (a chunk object, its state dict, two ``torch.Size`` and their argument
 ``MetadataIndex`` and a ``_StorageInfo`` with theirs), 2.2 GB and 3.5 s here, and the memo of
 the unpickler holds every one of them until the end, so no hook that builds something smaller
 per object helps. This module reads the file as it streams in (a few MB at a time) with its own
-pickle machine, which admits exactly what ``fsdpcheck._unpickle`` admits and builds the same
-mirror objects for everything but the chunks: where ``pickle.dump`` wrote a long run of chunk
-records (``ChunkStorageMetadata`` in a tensor's ``chunks`` list) or of storage records
-(``MetadataIndex`` -> ``_StorageInfo`` pairs in ``storage_data``), one regular expression
-matches the whole run (records are self-delimiting byte patterns once the memo slots of the
-classes and field names are known) and the integers of every record are decoded at once from
-fixed windows with tensor ops into columns: 16 bytes per chunk dim, plus 20 per storage
-entry. Measured on 2 cores: the 151 MB file in 2.0 s and ~90 MB, against 3.5 s and 2.2 GB.
+pickle machine, which admits exactly the globals ``fsdpcheck._unpickle.admitted_global`` admits
+and builds the same mirror objects for everything but the chunks: where ``pickle.dump`` wrote a
+long run of chunk records (``ChunkStorageMetadata`` in a tensor's ``chunks`` list) or of
+storage records (``MetadataIndex`` -> ``_StorageInfo`` pairs in ``storage_data``), one regular
+expression matches the whole run (records are self-delimiting byte patterns once the memo slots
+of the classes and field names are known) and the integers of every record are decoded at once
+from fixed windows with tensor ops into columns. Measured on 2 cores: the 151 MB file in 2.5 s
+of CPU and ~100 MB above start-up, against 3.5 s and 2.2 GB.
 
-Equivalence with the unpickler: a run is taken only where the memo is append-only (no slot set
-ahead of the next MEMOIZE) and its records are exactly the pattern (anything else, e.g. a
-record with a field the pattern lacks, is read op by op by the machine). The memo slots a run
-would have filled are sealed: a later reference to one (which ``pickle.dump`` never writes for
-these records) stops this reader, and the file is read again by the unpickler into objects
-(`Fallback`). Ops this machine does not implement (protocol 0/1 text ops) fall back the same
-way; so does any file under `SMALL` bytes, where objects cost less than this machine's
-per-op Python overhead.
+Equivalence with pickle: a run is taken only where the memo is append-only (no slot set ahead
+of the next MEMOIZE) and its records are exactly the pattern (anything else is read op by op).
+The memo slots a run would have filled are sealed: a later reference to one (``pickle.dump``
+never writes one for these records, except to a record's fresh fqn string, which is answered)
+makes the file be read again with every record an object (`Fallback`, handled here), as does a
+position set twice (``dcp_index``). The machine is also the only reader of ``.metadata``, in
+objects-only mode for small files and for DCP's own classes: Python's C unpickler sizes its memo
+by an index the file names (one ``LONG_BINPUT`` 2**31 - 1: 16 GiB, then the OOM killer), this
+machine keeps its memo in a list while it fills in order and in a dict otherwise, and reads no
+length the file names before those bytes are there.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ from fsdpcheck._unpickle import UnsafePickleError, admitted_global, on_a_deep_st
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
-#: Files smaller than this are read by the unpickler into objects (cheaper there; see NOTE).
+#: Files smaller than this are read into objects only (their few records are not worth the
+#: column set-up; ``dcp_index.read_parsed``).
 SMALL = 32 << 20
 #: Bytes read from the file at a time.
 WINDOW = 4 << 20
 
 
 class Fallback(Exception):
-    """This reader cannot (or must not) read the file: read it with the unpickler instead."""
+    """Column runs cannot answer (a reference into one): read the file again as objects."""
 
 
 class StreamError(ValueError):
