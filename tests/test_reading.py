@@ -470,12 +470,16 @@ def test_files_swapped_for_a_fifo_after_their_check_never_block(
 ) -> None:
     from fsdpcheck.sources import base
 
+    from fsdpcheck.sources.files import TorchSaveSource
+
     real = base.check_regular
     for target, call in (
         ("__1_0.distcp", fsdpcheck.fingerprint_checkpoint),
         (".metadata", DCPSource),
+        ("model.pt", lambda p: TorchSaveSource(p / "model.pt")),
     ):
         p = write_dcp(tmp_path / target / "ck", {"w": torch.arange(16.0).view(4, 4)}, 2)
+        torch.save({"w": torch.ones(3)}, p / "model.pt")
 
         def swap(path: Any, what: str = "file", target: str = target) -> Path:
             got = real(path, what)  # checked while regular ...

@@ -22,7 +22,6 @@ from fsdpcheck.sources.base import (
     Problem,
     Region,
     Source,
-    check_regular,
     file_problem,
     into,
     nested_entries,
@@ -86,21 +85,28 @@ class TorchSaveSource(Source):
     kind = "torch.save"
 
     def __init__(self, path: str | Path) -> None:
-        self.path = check_regular(path, "torch.save file")
+        self.path = Path(path)
         self.description = f"torch.save file {self.path}"
+        # torch opens the file by name: it is given the descriptor checked to be a regular file
+        # (NOTE: [open by what it is] in ``base``), by its /proc name where there is one.
+        fd, _ = open_regular(self.path, "torch.save file")
+        by_fd = f"/proc/self/fd/{fd}"
+        target = by_fd if os.path.exists(by_fd) else self.path
         try:
             try:
-                obj = load_weights_only(self.path, map_location="cpu", mmap=True)
+                obj = load_weights_only(target, map_location="cpu", mmap=True)
             except RuntimeError as exc:
                 if "mmap" not in str(exc):
                     raise
                 # Files written with _use_new_zipfile_serialization=False cannot be mapped.
-                obj = load_weights_only(self.path, map_location="cpu")
+                obj = load_weights_only(target, map_location="cpu")
         except (FileNotFoundError, MemoryError):
             raise
         except Exception as exc:
             msg = f"{self.description} cannot be loaded: {_load_error(exc)}"
             raise CheckpointError(msg) from None
+        finally:
+            os.close(fd)
         flat: dict[str, tuple[tuple[str, ...], Any]] = {}
         collisions: set[str] = set()
         try:

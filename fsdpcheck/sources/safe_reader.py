@@ -200,7 +200,8 @@ class SafeFileSystemReader(FileSystemReader):
         info = self.storage_data[req.storage_index]
         what = f"{path}: {req.storage_index.fqn}"
         stream.seek(info.offset)
-        raw = stream.read(info.length)
+        # The declared length, no more than the file holds (a length is not an allocation).
+        raw = stream.read(max(0, min(info.length, os.fstat(stream.fileno()).st_size - info.offset)))
         if len(raw) != info.length:
             raise CheckpointError(
                 f"{what}: only {len(raw)} of {info.length} bytes could be read ({path} changed "
