@@ -9,7 +9,8 @@ in a fresh process and each the median of ``--reps`` rounds (a round runs every 
     ``dcp.load`` of the DCP directory into preallocated tensors (the DCP read floor in torch),
   * ``fsdpcheck compare a.safetensors b.safetensors``, ``fsdpcheck fingerprint b_dcp``,
     ``fsdpcheck audit --deep b_dcp`` and ``fsdpcheck.verify`` of the first file's tensors
-    against the DCP directory.
+    against the DCP directory; the fingerprint also with ``FSDPCHECK_READ=pread`` (no file
+    mapped).
 
 Reported per command: whole-process wall time, the time of the work alone (measured inside the
 process after its imports; for a command line, its whole process minus ``fsdpcheck info`` in the
@@ -262,6 +263,8 @@ VERIFY = TIMED.format(
 )
 
 
+PREAD = ["env", "FSDPCHECK_READ=pread"]
+
 # As the console script runs it (`run`: main in its own process), on an older checkout (--src)
 # `main`.
 CLI = (
@@ -294,6 +297,7 @@ def measure(
     nb_dcp = sum(f.stat().st_size for f in _files(paths["dcp"]))
     fsd = [PY, "-c", pre + CLI]
     st, dc = [paths["a"], paths["b"]], [paths["dcp"]]
+    fdd = (nb_dcp, dc, "d")
     rows: list[tuple[str, list[str], int, list[Path], str]] = [
         ("startup: fsdpcheck info", [*fsd, "info"], 0, [], ""),
         ("startup: import torch", [PY, "-c", "import torch, safetensors"], 0, [], ""),
@@ -307,6 +311,9 @@ def measure(
         ("  compare_checkpoints()", [PY, "-c", pre + COMPARE, a, b, device], nb_st, st, "c"),
         ("fsdpcheck fingerprint b_dcp", [*fsd, "fingerprint", d], nb_dcp, dc, "d"),
         ("  fingerprint_checkpoint()", [PY, "-c", pre + FINGERPRINT, d], nb_dcp, dc, "d"),
+        # The same without mapping files (byte-range reads into the arena): no SIGBUS exposure
+        # at all, against the mapped path whose truncation safety is the guard's.
+        ("  fingerprint_checkpoint() pread", [*PREAD, PY, "-c", pre + FINGERPRINT, d], *fdd),
         ("fsdpcheck audit --deep b_dcp", [*fsd, "audit", "--deep", d], nb_dcp, dc, "d"),
         ("  audit(deep=True)", [PY, "-c", pre + AUDIT, d], nb_dcp, dc, "d"),
         ("  verify(a tensors, b_dcp)", [PY, "-c", pre + VERIFY, a, d], nb_dcp, dc, "d"),

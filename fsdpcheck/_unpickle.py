@@ -1,7 +1,9 @@
-"""A restricted unpickler for DCP ``.metadata``: no code from a checkpoint ever runs.
+"""What a DCP ``.metadata`` may name: no code from a checkpoint ever runs.
 
-It builds DCP's metadata classes (or fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in
-``fsdpcheck.sources.dcp_metadata``) and plain data, and refuses every other global.
+`admitted_global` is the allowlist the metadata reader (``fsdpcheck.sources.dcp_pickle``, a
+restricted pickle machine) resolves every global through: DCP's metadata classes (or
+fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in ``fsdpcheck.sources.dcp_metadata``)
+and plain data; every other global is refused.
 
 Why not ``torch.load(weights_only=True)``: ``.metadata`` is a bare pickle (not a torch.save zip)
 of DCP's own dataclasses, which torch's weights-only allowlist does not hold. The classes
@@ -12,6 +14,7 @@ never a callable named by the file.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pathlib
@@ -72,36 +75,45 @@ def _torch_value(name: str) -> Any:
     return None
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(
-        self, file: io.BufferedIOBase, what: str, resolve: Callable[[str, str], Any] | None
-    ) -> None:
-        super().__init__(file)
-        self._what = what
-        self._resolve = resolve
+def admitted_global(
+    module: str, name: str, what: str, resolve: Callable[[str, str], Any] | None = None
+) -> Any:
+    """The object a pickle's GLOBAL names, if the allowlist admits it.
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch":
-            if name == "Size":
-                return torch.Size
-            value = _torch_value(name)
-            if value is not None:
-                return value
-        elif module == "torch.serialization" and name == "_get_layout":
-            return _get_layout
-        elif module in ("pathlib", "pathlib._local") and name in _PATHS:
-            return _PATHS[name]
-        elif name in ADMITTED.get(module, ()):
-            if self._resolve is not None and module not in ("collections", "builtins"):
-                return self._resolve(module, name)
-            return super().find_class(module, name)
-        raise UnsafePickleError(
-            f"{self._what} names {module}.{name}, which is not one of the classes a checkpoint's "
-            "metadata is made of; refusing to load it (nothing from the file was run)"
-        )
+    Admitted: DCP's metadata classes (or, with `resolve`, what it builds for them: the mirrors
+    of ``fsdpcheck.sources.dcp_metadata``), torch dtypes/layouts/memory formats,
+    ``torch.Size``, pure paths, DCP's enums and plain containers. The reader of DCP metadata
+    (``fsdpcheck.sources.dcp_pickle``) asks this for every global a file names.
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"{self._what} holds a persistent reference; refusing to load it")
+    Raises:
+        UnsafePickleError: Anything else (nothing is imported).
+    """
+    if module == "torch":
+        if name == "Size":
+            return torch.Size
+        value = _torch_value(name)
+        if value is not None:
+            return value
+    elif module == "torch.serialization" and name == "_get_layout":
+        return _get_layout
+    elif module in ("pathlib", "pathlib._local") and name in _PATHS:
+        return _PATHS[name]
+    elif name in ADMITTED.get(module, ()):
+        if resolve is not None and module not in ("collections", "builtins"):
+            return resolve(module, name)
+        return _BUILTINS.get((module, name)) or pickle.Unpickler.find_class(_NO_FILE, module, name)
+    raise UnsafePickleError(
+        f"{what} names {module}.{name}, which is not one of the classes a checkpoint's "
+        "metadata is made of; refusing to load it (nothing from the file was run)"
+    )
+
+
+_BUILTINS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+_NO_FILE = pickle.Unpickler(io.BytesIO(b""))
 
 
 def _get_layout(name: str) -> torch.layout:
@@ -110,28 +122,6 @@ def _get_layout(name: str) -> torch.layout:
     if not isinstance(value, torch.layout):
         raise UnsafePickleError(f"{name!r} is not a torch layout")
     return value
-
-
-def restricted_loads(
-    data: bytes, what: str, resolve: Callable[[str, str], Any] | None = None
-) -> Any:
-    """Unpickles `data` admitting only DCP metadata and plain data.
-
-    Admitted: DCP's metadata classes, torch dtypes/layouts/memory formats, ``torch.Size``, pure
-    paths, DCP's enums and plain containers.
-
-    Args:
-        data: The pickle.
-        what: The file it came from, for messages (e.g. ``"DCP metadata ckpt/.metadata"``).
-        resolve: Builds an admitted DCP class from (module, name) instead of importing it (the
-            mirror classes of ``fsdpcheck.sources.dcp_metadata``). Called only for admitted
-            names: the allowlist is the same either way.
-
-    Raises:
-        UnsafePickleError: It names anything else (one line naming module.class and `what`).
-        pickle.UnpicklingError: It is not a valid pickle.
-    """
-    return on_a_deep_stack(lambda: _Unpickler(io.BytesIO(data), what, resolve).load(), len(data))
 
 
 # C stack per byte of pickle. Each TUPLE1 opcode (one byte) nests a tuple one level deeper, and

@@ -90,29 +90,31 @@ def _audit_dcp(
     grammar: KeyGrammar,
     role: str,
 ) -> tuple[int, CheckpointKeys]:
-    # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata).
-    from fsdpcheck.sources.dcp_metadata import (
-        check_storage,
-        is_tensor_meta,
-        planner_paths,
-        read_dcp_metadata,
-    )
+    # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata), and
+    # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_pickle), whose check
+    # gives the structural findings and whose source reads the data for --deep.
+    from fsdpcheck.sources.dcp import DCPSource
 
-    md = read_dcp_metadata(p)
-    tensors = sum(is_tensor_meta(m) for m in md.state_dict_metadata.values())
-    for key, kind, message in check_storage(p, md).findings:
-        findings.append(Finding(prefix + key, kind, message))
-    paths = planner_paths(md)
-    entries = {
-        key: Entry(key, paths[key], is_tensor=is_tensor_meta(meta))
-        for key, meta in md.state_dict_metadata.items()
-    }
-    keys = keys_from_entries(entries, grammar=grammar, role=role)
+    source = DCPSource(p)
     try:
-        _audit_manifest(p, md, findings, notes, deep, prefix)
-    except Exception as exc:  # a malformed manifest is a finding about the manifest
-        findings.append(Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc)))
-    return tensors, keys
+        index, check = source.index, source.storage_problems
+        assert check is not None
+        for key, kind, message in check.findings:
+            findings.append(Finding(prefix + key, kind, message))
+        entries = {
+            key: Entry(key, index.paths[key], is_tensor=index.tensor[k])
+            for k, key in enumerate(index.keys)
+        }
+        keys = keys_from_entries(entries, grammar=grammar, role=role)
+        try:
+            _audit_manifest(p, source, findings, notes, deep, prefix)
+        except Exception as exc:  # a malformed manifest is a finding about the manifest
+            findings.append(
+                Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc))
+            )
+    finally:
+        source.close()
+    return sum(index.tensor), keys
 
 
 def _audit_optimizer(
@@ -174,10 +176,8 @@ def _audit_optimizer(
 
 
 def _audit_manifest(
-    p: Path, md: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
+    p: Path, source: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
 ) -> None:
-    from fsdpcheck.sources.dcp_metadata import is_tensor_meta
-
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
         unchecked = " (--deep: no fingerprint to check the data against)" if deep else ""
@@ -189,32 +189,32 @@ def _audit_manifest(
     if stale is not None:  # its entries describe another save: comparing them only misleads
         findings.append(Finding(prefix + MANIFEST_NAME, "error", stale))
         return
-    meta = md.state_dict_metadata
+    saved = source.entries()
     listed = set()
     for key, e in manifest.entries.items():
         ck = e.checkpoint_key
         listed.add(ck)
-        m = meta.get(ck)
-        if not is_tensor_meta(m):
+        m = saved.get(ck)
+        if m is None or not m.is_tensor:
             findings.append(
                 Finding(prefix + key, "missing", f"in the manifest but {ck} is not saved")
             )
             continue
-        if tuple(m.size) != tuple(e.shape):
+        if tuple(m.shape) != tuple(e.shape):
             findings.append(
                 Finding(
                     prefix + key,
                     "shape",
-                    f"manifest says {tuple(e.shape)}, metadata {tuple(m.size)}",
+                    f"manifest says {tuple(e.shape)}, metadata {tuple(m.shape)}",
                 )
             )
-        dtype = str(m.properties.dtype).removeprefix("torch.")
+        dtype = str(m.dtype).removeprefix("torch.")
         if dtype != e.dtype:
             findings.append(
                 Finding(prefix + key, "dtype", f"manifest says {e.dtype}, metadata {dtype}")
             )
-    for ck, m in meta.items():
-        if is_tensor_meta(m) and ck not in listed:
+    for ck, m in saved.items():
+        if m.is_tensor and ck not in listed:
             findings.append(Finding(prefix + ck, "unexpected", "saved but not in the manifest"))
     if deep:
         expected = manifest.fingerprints()
@@ -233,7 +233,8 @@ def _audit_manifest(
                 f"{prefix or p.name}: {len(manifest.entries) - len(expected)} manifest "
                 "entries have no fingerprint: --deep did not check their values"
             )
-        actual = fingerprint_checkpoint(p)
+        # The open source (metadata read and checked once) hashes the data.
+        actual = fingerprint_checkpoint(source)
         findings.extend(
             fingerprints_differ(expected, {k: actual[k] for k in actual if k in expected})
         )

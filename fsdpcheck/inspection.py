@@ -11,7 +11,6 @@ from fsdpcheck.formats import describe_path
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
 from fsdpcheck.sources import open_source
-from fsdpcheck.sources.tiling import tiling_problems
 
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -30,20 +29,23 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         keys = checkpoint_keys(source)
         tensors = []
+        dtypes: dict[Any, str] = {}
         for r in sorted(keys.tensors(), key=lambda r: r.key):
             e = r.entry
-            chunks = source.chunks(e.key)
-            nonempty = [b for b in chunks if all(s > 0 for s in b[1]) or not e.shape]
-            gaps = tiling_problems(e.shape, nonempty) if math.prod(e.shape) else []
+            # From what the source found when opening (DCP: its check; no chunk list made).
+            gaps = source.coverage(e.key)
             n = math.prod(e.shape)
+            dtype = dtypes.get(e.dtype)
+            if dtype is None:
+                dtype = dtypes[e.dtype] = str(e.dtype).removeprefix("torch.")
             tensors.append(
                 {
                     "key": e.key,
                     "name": r.name,
                     "role": r.role,
                     "shape": list(e.shape),
-                    "dtype": str(e.dtype).removeprefix("torch."),
-                    "chunks": len(chunks),
+                    "dtype": dtype,
+                    "chunks": source.chunk_count(e.key),
                     "coverage": "complete" if not gaps else "; ".join(gaps),
                     "numel": n,
                     "bytes": n * (e.dtype.itemsize if e.dtype else 0),

@@ -252,10 +252,18 @@ def test_stray_copy_in_another_shard_is_a_finding_and_reads_follow_the_index(tmp
     src = SafetensorsSource.from_path(d)
     (got,) = src.read([Region("a", (0,), (4,))], CPU)
     assert torch.equal(got, right)
-    assert [(k, kind) for k, kind, _ in src.problems()] == [("a", "error")]
+    # The stray copy is named as what it is (another shard's copy), not as the listed tensor.
+    assert [(k, kind) for k, kind, _ in src.problems()] == [("s2.safetensors/a", "error")]
     assert "stray copy" in src.problems()[0][2] and "s2.safetensors" in src.problems()[0][2]
     r = fsdpcheck.audit(d)
-    assert [(f.key, f.kind) for f in r.findings] == [("a", "error")]
+    assert [(f.key, f.kind) for f in r.findings] == [("s2.safetensors/a", "error")]
+    # compare reads the copy the index names: `a` is compared (and differs), not skipped.
+    other = {"a": right.clone(), "b": right.clone()}
+    other["a"][2] = 7.0
+    r = fsdpcheck.compare_checkpoints(d, other)
+    assert [(f.key, f.kind) for f in r.findings] == [("a", "value"),
+                                                    ("s2.safetensors/a", "error")]  # fmt: skip
+    assert r.findings[0].max_abs_index == (2,) and r.keys_checked == 2
 
 
 def test_folder_without_index_duplicate_key_names_both_files(tmp_path):

@@ -68,6 +68,7 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
 
     Raises:
         FileNotFoundError: The path does not exist.
+        PermissionError: A folder on its path may not be searched.
         ValueError: It is not a checkpoint fsdpcheck recognises (the message says what it holds).
     """
     p = Path(path)
@@ -75,6 +76,10 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
         st = os.stat(p)
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {p} does not exist") from None
+    except PermissionError:
+        raise PermissionError(
+            f"checkpoint {p}: permission denied (a folder on its path may not be searched)"
+        ) from None
     if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
         raise ValueError(f"checkpoint {p} is not a regular file or a directory; refusing it")
     probe = Probe(p, st)

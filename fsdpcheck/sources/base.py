@@ -33,14 +33,29 @@ def printable(text: str) -> str:
     return shown(text)
 
 
+def _kind(mode: int) -> str:
+    return (
+        "a directory" if stat.S_ISDIR(mode)
+        else "a FIFO" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )  # fmt: skip
+
+
+def _refused(p: Path, what: str, mode: int) -> CheckpointError:
+    return CheckpointError(f"{what} {p} is {_kind(mode)}, not a regular file; refusing to read it")
+
+
 def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
     """`path`, after checking that it is a regular file (symlinks to regular files are fine).
 
-    Called before every open of a checkpoint file: opening a FIFO blocks forever and a device
-    (``/dev/zero``) never ends, so both are refused by their type, without opening them.
+    A check by path, for messages and for what is not opened here; reads open with
+    `open_regular`, which checks what it opened.
 
     Raises:
         FileNotFoundError: It does not exist.
+        PermissionError: A folder on the way may not be searched.
         CheckpointError: It is a directory, FIFO, socket or device.
     """
     p = Path(path)
@@ -48,20 +63,67 @@ def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
         st = os.stat(p)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {p} does not exist") from None
+    except PermissionError:
+        raise PermissionError(f"{what} {p}: permission denied") from None
+    except (ValueError, OSError) as exc:  # a NUL byte, a name too long, ...
+        raise CheckpointError(f"{what} {p!r:.200} cannot be opened: {one_line(exc)}") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = (
-            "a directory" if stat.S_ISDIR(st.st_mode)
-            else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-            else "a socket" if stat.S_ISSOCK(st.st_mode)
-            else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-            else "not a regular file"
-        )  # fmt: skip
-        raise CheckpointError(f"{what} {p} is {kind}, not a regular file; refusing to read it")
+        raise _refused(p, what, st.st_mode)
     return p
 
 
-def relative_path_problem(root: Path, rel: str) -> str | None:
-    """Why a path a checkpoint names may not be opened (outside the checkpoint), or None."""
+#: How every checkpoint file is opened: a FIFO opens at once instead of waiting for a writer,
+#: a terminal never becomes the controlling one, and the descriptor is not inherited.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "file") -> tuple[int, os.stat_result]:
+    """An open descriptor of `path` and its ``fstat``, refused unless it is a regular file.
+
+    NOTE: [open by what it is] A check of the path and then an open of it is a race: the file
+    can be replaced by a FIFO (the open blocks forever) or a link to ``/dev/zero`` (never ends)
+    in between. So the file is opened non-blocking and what was opened is checked
+    (``fstat`` on the descriptor); only a regular file is kept. Obvious cases are refused by
+    path first, so that a device is not even opened.
+
+    Raises:
+        FileNotFoundError: It does not exist.
+        PermissionError: It may not be read ("permission denied", naming it).
+        CheckpointError: It is a directory, FIFO, socket or device.
+    """
+    p = Path(path)
+    check_regular(p, what)
+    try:
+        fd = os.open(p, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {p} does not exist") from None
+    except PermissionError:
+        raise PermissionError(f"{what} {p}: permission denied") from None
+    except OSError as exc:  # a socket (ENXIO), a file that became something else
+        try:
+            mode = os.stat(p).st_mode
+        except OSError:
+            mode = 0
+        if mode and not stat.S_ISREG(mode):
+            raise _refused(p, what, mode) from None
+        raise CheckpointError(f"{what} {p} cannot be opened: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refused(p, what, st.st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def relative_path_problem(root: Path, rel: str, real_root: Path | None = None) -> str | None:
+    """Why a path a checkpoint names may not be opened (outside the checkpoint), or None.
+
+    `real_root` is ``root.resolve()`` when the caller has it (checks of many files).
+    """
+    if "\x00" in rel:
+        return f"names {rel!r}, which holds a NUL byte (no file can)"
     pure = PurePosixPath(rel)
     if not pure.parts or rel in (".", "./"):
         return f"names {rel!r}, which is not a file"
@@ -69,25 +131,41 @@ def relative_path_problem(root: Path, rel: str) -> str | None:
         return f"names the absolute path {rel!r}"
     if ".." in pure.parts or "\\" in rel:
         return f"names {rel!r}, outside the checkpoint directory"
-    real_root = root.resolve()
+    if len(pure.parts) == 1 and not os.path.islink(root / rel):
+        return None  # a plain name in the folder (the common case: no resolving needed)
+    real_root = real_root or root.resolve()
     target = (root / rel).resolve()
     if target != real_root and real_root not in target.parents:
         return f"names {rel!r}, a link that leads outside the checkpoint directory"
     return None
 
 
+def file_size(
+    root: Path, rel: str, what: str, real_root: Path | None = None
+) -> tuple[str | None, int]:
+    """(why `rel` under `root` cannot be read at all, or None; its size in bytes)."""
+    bad = relative_path_problem(root, rel, real_root)
+    if bad is not None:
+        return f"{what} {bad}", 0
+    try:
+        fd, st = open_regular(root / rel, "data file")
+    except (FileNotFoundError, PermissionError, CheckpointError) as exc:
+        return f"{what}: {exc}", 0
+    os.close(fd)
+    return None, st.st_size
+
+
+def past_the_end(what: str, end: int, rel: str, size: int) -> str:
+    """The one line for bytes that end past the end of their file."""
+    return f"{what} ends at byte {end} of {rel} but the file has {size} bytes (truncated?)"
+
+
 def file_problem(root: Path, rel: str, end: int, what: str) -> str | None:
     """Why bytes ``[.., end)`` of `rel` under `root` cannot be read (one line), or None."""
-    bad = relative_path_problem(root, rel)
-    if bad is not None:
-        return f"{what} {bad}"
-    try:
-        size = check_regular(root / rel, "data file").stat().st_size
-    except (FileNotFoundError, CheckpointError) as exc:
-        return f"{what}: {exc}"
-    if end > size:
-        return f"{what} ends at byte {end} of {rel} but the file has {size} bytes (truncated?)"
-    return None
+    why, size = file_size(root, rel, what)
+    if why is None and end > size:
+        why = past_the_end(what, end, rel, size)
+    return why
 
 
 def one_line(exc: BaseException) -> str:
@@ -97,7 +175,7 @@ def one_line(exc: BaseException) -> str:
     return text[:300] + (" ..." if len(lines) > 1 or len(text) > 300 else "")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a million keys, ~80 bytes each
 class Entry:
     """One entry of a reference checkpoint.
 
@@ -197,6 +275,54 @@ class Source(ABC):
         shape = self.entries()[key].shape
         return [((0,) * len(shape), tuple(shape))]
 
+    def chunks_overlapping(
+        self, key: str, offset: Sequence[int], size: Sequence[int]
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The saved chunks of `key` that share an element with the box (`offset`, `size`).
+
+        In the order `chunks` lists them; empty chunks never overlap. Sources of full tensors
+        have one chunk. DCP answers in O(log n + hits) where the chunks form a grid (stacked
+        along one dim, 2-d grids: what sharded saves write), so a caller that cuts its local
+        pieces along the saved chunks does not intersect every piece with every chunk.
+        """
+        box = (tuple(offset), tuple(size))
+        return [c for c in self.chunks(key) if boxes_meet(c, box)]
+
+    def chunk_count(self, key: str) -> int:
+        """How many chunks `chunks(key)` lists (without listing them)."""
+        return len(self.chunks(key))
+
+    def coverage(self, key: str) -> list[str]:
+        """What keeps the saved chunks of `key` from tiling its shape exactly ([]: nothing).
+
+        Each item starts with "gap at" or "overlap at" (see ``tiling.tiling_problems``).
+        """
+        from fsdpcheck.sources.tiling import tiling_problems
+
+        shape = self.entries()[key].shape
+        if not math.prod(shape):
+            return []
+        live = [b for b in self.chunks(key) if all(s > 0 for s in b[1]) or not shape]
+        return tiling_problems(shape, live)
+
+    def read_views(
+        self, regions: Sequence[Region], out: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """`read` to the CPU, where the source may hand over views of mapped files.
+
+        For a caller that calls `check_views` after it has used each batch (the read-ahead
+        does, after the kernel): until then a view may read zeros where its file was
+        truncated (NOTE: [mapped-file guard]). `read` itself never returns such views.
+        """
+        return self.read(regions, torch.device("cpu"), out)
+
+    def check_views(self) -> None:  # noqa: B027 - optional hook
+        """Raises CheckpointError if a file changed under views `read_views` handed out.
+
+        Names the file ("changed while it was read"); the values read from it must not be
+        used.
+        """
+
     def problems(self) -> list[Problem]:
         """Storage problems found when opening: ``(key, kind, message)``, kind "gap" or "error".
 
@@ -222,6 +348,16 @@ class Source(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases files (optional)."""
+
+
+def boxes_meet(
+    a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]
+) -> bool:
+    """Whether two boxes (offsets, sizes) of the same rank share an element (0-d: always)."""
+    return len(a[0]) == len(b[0]) and all(
+        s > 0 and t > 0 and max(x, y) < min(x + s, y + t)
+        for x, s, y, t in zip(a[0], a[1], b[0], b[1])
+    )
 
 
 def into(value: torch.Tensor, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import itertools
 import math
-import mmap
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,22 +24,17 @@ from fsdpcheck.sources.base import (
     Problem,
     Region,
     Source,
-    check_regular,
+    open_regular,
 )
-from fsdpcheck.sources.dcp_metadata import (
-    METADATA_FILE,
-    Position,
-    check_storage,
-    is_tensor_meta,
-    planner_paths,
-    read_dcp_metadata,
-)
+from fsdpcheck.sources.dcp_index import DcpIndex, Storage, StorageProblems, open_index
+from fsdpcheck.sources.dcp_metadata import Position
 from fsdpcheck.sources.rawio import (
+    Mapped,
     RawChunk,
     aligned_empty,
+    damaged,
     locate_chunk,
-    map_private,
-    mapped_view,
+    map_guarded,
     populate,
     pread_into,
 )
@@ -54,66 +49,62 @@ class DCPSource(Source):
     execution and with storage checks), which loads each of those chunks and copies the overlap
     straight into the destination (on the model's device). No process group is needed.
 
-    Opening reads only ``.metadata`` (restricted unpickler, DCP-free: NOTE: [DCP-free metadata]
-    in ``dcp_metadata``) and stats the data files; `problems`
-    then lists gaps, overlaps, chunks outside the shape and storage entries that cannot be read.
-    A read that touches a gap raises `CoverageError`; one that touches an overlap or an
-    unreadable entry raises `CheckpointError`; neither ever returns an uninitialised buffer.
+    Opening reads ``.metadata`` once, as it streams in, into columns (restricted, DCP-free:
+    NOTE: [DCP-free metadata] in ``dcp_metadata``, NOTE: [metadata columns] in ``dcp_pickle``),
+    and checks it (``dcp_index.check``: tiling, one stat per data file); `problems` then lists
+    gaps, overlaps, chunks outside the shape and storage entries that cannot be read. A read
+    that touches a gap raises `CoverageError`; one that touches an overlap or an unreadable
+    entry raises `CheckpointError`; neither ever returns an uninitialised buffer. The safe
+    reader works from the same parsed metadata (the file is not unpickled again).
+
+    Opening once per job (NOTE: [trusted metadata] in ``dcp_index``): `metadata_digest` is the
+    sha256 of the ``.metadata`` bytes parsed. One process opens and checks; the others pass its
+    verdict's digest as ``trusted_digest``: when their bytes hash the same, they skip the
+    whole-checkpoint check (`validated` is False and `problems` is empty: the verdict is the
+    checking process's), while every read still refuses what it touches that is unsafe (a
+    non-regular file, bytes past a file's end, a region no chunk or two chunks cover).
 
     Fast path (NOTE: [raw DCP chunks] in ``rawio``): a chunk stored as one uncompressed tensor
-    record is not loaded as a blob. A region inside one such chunk is returned as a view of the
-    mapped file (NOTE: [mapped files] in ``rawio``); other regions are read by byte range
+    record is not loaded as a blob. Through `read_views`, a region inside one such chunk is a
+    view of the mapped file (NOTE: [mapped files] in ``rawio``; truncation while mapped:
+    NOTE: [mapped-file guard]); other regions, and every `read`, are read by byte range
     straight into the destination (only the rows they need), different files in parallel.
     Chunks that are not (and every non-tensor value) go through the safe reader. Both give the
-    same values.
+    same values. Files are opened when read and closed after (at most `MAX_OPEN` at once).
+
+    Args:
+        path: The checkpoint directory.
+        trusted_digest: The `metadata_digest` of this checkpoint as another process opened
+            and checked it.
     """
 
     kind = "dcp"
     is_sharded = True
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, trusted_digest: str | None = None) -> None:
         self.path = Path(path)
         self.description = f"DCP checkpoint {self.path}"
-        f = check_regular(self.path / METADATA_FILE, "DCP metadata")
-        self._metadata_bytes = f.read_bytes()
-        self._md = read_dcp_metadata(self.path, data=self._metadata_bytes)
-        self._check = check_storage(self.path, self._md)
-        self._storage = self._check.storage
+        self._index, self._check = open_index(self.path, trusted_digest=trusted_digest)
+        #: sha256 (hex) of the ``.metadata`` bytes this source parsed.
+        self.metadata_digest = self._index.digest
+        #: Whether the whole checkpoint was checked when opening (False: a trusted digest).
+        self.validated = self._check is not None
+        idx = self._index
+        self._entries: dict[str, Entry] = {}
+        for k, key in enumerate(idx.keys):
+            if idx.tensor[k]:
+                self._entries[key] = Entry(key, idx.paths[key], idx.shapes[k], idx.dtypes[k])
+            else:
+                self._entries[key] = Entry(key, idx.paths[key], is_tensor=False)
         # DCP's reader (and DCP's import) only for what is not read by byte range here.
         self._safe_reader: Any = None
-        paths = planner_paths(self._md)
-        self._entries: dict[str, Entry] = {}
-        # Per tensor key: the chunks that can be read (inside the shape, with a storage entry),
-        # and offsets -> sizes for the common case of a region that is exactly one saved chunk.
-        self._readable: dict[str, list[Box]] = {}
-        self._chunk_at: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
-        for key, meta in self._md.state_dict_metadata.items():
-            path_t = paths[key]
-            if is_tensor_meta(meta):
-                shape = tuple(meta.size)
-                self._entries[key] = Entry(key, path_t, shape, meta.properties.dtype)
-                readable = []
-                for c in meta.chunks:
-                    off, size = tuple(c.offsets), tuple(c.sizes)
-                    if (
-                        len(off) == len(shape) == len(size)
-                        and all(
-                            o >= 0 and s >= 0 and o + s <= g for o, s, g in zip(off, size, shape)
-                        )
-                        and (key, off) in self._storage
-                    ):
-                        readable.append((off, size))
-                self._readable[key] = readable
-                self._chunk_at[key] = dict(readable)
-            else:  # BytesStorageMetadata (validated)
-                self._entries[key] = Entry(key, path_t, is_tensor=False)
-        # Raw chunk locations (None: read through the safe reader), open files, worker threads.
-        self._raw: dict[Position, RawChunk | None] = {}
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap | None] = {}
+        # Raw chunk locations by (key, chunk position) (None: the safe reader) and their files,
+        # for the keys read last.
+        self._raw: dict[tuple[str, int], tuple[RawChunk | None, str]] = {}
+        self._files = _Files(self.path)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._finalizer = weakref.finalize(self, _release, self._fds, [None])
+        self._finalizer = weakref.finalize(self, _release, self._files, [None])
         #: Whether tensor chunks may be read by byte range (False: always the safe reader).
         self.raw_reads = True
 
@@ -121,34 +112,77 @@ class DCPSource(Source):
         """Every key of the checkpoint's metadata."""
         return self._entries
 
+    @property
+    def index(self) -> DcpIndex:
+        """The parsed metadata (columns; see ``dcp_index``)."""
+        return self._index
+
+    @property
+    def storage_problems(self) -> StorageProblems | None:
+        """What the check made when opening found (None: opened with a trusted digest)."""
+        return self._check
+
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(offsets, sizes) of each saved chunk of a tensor entry, as ``.metadata`` lists them."""
-        meta = self._md.state_dict_metadata[key]
-        if not is_tensor_meta(meta):
+        if not self._entries[key].is_tensor:
             raise KeyError(f"{key} is not a tensor in {self.description}")
-        return [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+        return self._index.chunks(key)
+
+    def chunks_overlapping(
+        self, key: str, offset: Sequence[int], size: Sequence[int]
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The saved chunks meeting a box, by bisection (see `Source.chunks_overlapping`)."""
+        if not self._entries[key].is_tensor:
+            raise KeyError(f"{key} is not a tensor in {self.description}")
+        d = len(self._entries[key].shape)
+        return [self._chunk(key, i, d) for i in self._index.overlapping(key, offset, size)]
+
+    def chunk_count(self, key: str) -> int:
+        """Number of saved chunks of a tensor entry."""
+        return self._index.chunk_count(key)
+
+    def coverage(self, key: str) -> list[str]:
+        """Gaps and overlaps of a key's chunks, from the check made when opening."""
+        if self._check is None:
+            return super().coverage(key)
+        return list(self._check.tiling.get(key, []))
 
     def problems(self) -> list[Problem]:
         """Gaps, overlaps, chunks outside the shape, unreadable storage entries."""
-        return list(self._check.problems)
+        return list(self._check.problems) if self._check is not None else []
 
-    def _coverage(self, region: Region) -> list[Box]:
-        """The readable chunks meeting `region`, after checking it is covered exactly once."""
+    def _chunk(self, key: str, i: int, ndim: int) -> Box:
+        del ndim
+        return self._index.chunk(key, i)
+
+    def _coverage(self, region: Region, singles: _Singles) -> list[tuple[int, Box]]:
+        """The readable chunks meeting `region` as (position, box), covering it exactly once."""
         key = region.key
+        shape = self._entries[key].shape
         box = (tuple(region.offset), tuple(region.size))
-        chunks = self._readable[key]
-        exact = self._chunk_at[key].get(box[0])
-        if exact == box[1] and key not in self._check.overlapping:
-            return [box]  # exactly one saved chunk (a reload with the layout it was saved with)
-        meeting = [c for c in chunks if intersect(box, c) is not None]
-        missing = uncovered(box, meeting, disjoint=key not in self._check.overlapping)
+        one = singles.get(key)
+        if one is not None and one[1] >= 0 and _inside(one[0], shape):
+            c = one[0]
+            if all(o >= a and o + n <= a + m for o, n, a, m in zip(box[0], box[1], c[0], c[1])):
+                return [(0, c)]  # inside the key's one saved chunk
+        meeting = []
+        for i in self._index.overlapping(key, box[0], box[1]):
+            c = self._chunk(key, i, len(shape))
+            if self._index.chunk_entry(key, i) < 0 or not _inside(c, shape):
+                continue  # not readable: what it would cover is a gap
+            meeting.append((i, c))
+        if len(meeting) == 1 and meeting[0][1] == box:
+            return meeting  # exactly one saved chunk (a reload with the layout it was saved with)
+        disjoint = self._check is not None and key not in self._check.overlapping
+        boxes = [c for _, c in meeting]
+        missing = uncovered(box, boxes, disjoint=disjoint)
         if missing:
             raise CoverageError(
                 f"{key}: region {box_text(missing[0])} is not covered by any saved chunk in "
                 f"{self.path / '.metadata'} (a gap in the checkpoint); it has no data to read"
             )
-        if key in self._check.overlapping:
-            for a, b in itertools.combinations(meeting, 2):
+        if not disjoint:
+            for a, b in itertools.combinations(boxes, 2):
                 both = intersect(a, b)
                 if both is not None and intersect(both, box) is not None:
                     raise CheckpointError(
@@ -164,20 +198,50 @@ class DCPSource(Source):
         device: torch.device,
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Reads the regions through the safe storage reader (only overlapping chunks).
+        """Reads the regions (only overlapping chunks): by byte range, or the safe reader.
 
         Raises:
             CoverageError: A region meets a gap (nothing is allocated or read).
-            CheckpointError: A region meets overlapping chunks or an unreadable storage entry.
+            CheckpointError: A region meets overlapping chunks or an unreadable storage entry,
+                or a file changed while it was read.
         """
-        plans: list[list[Box]] = []
+        return self._read(regions, device, out, views=False)
+
+    def read_views(
+        self, regions: Sequence[Region], out: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """`read` to the CPU; a region inside one raw chunk is a view of the mapped file."""
+        if type(self).read is not DCPSource.read:  # a subclass that reads its own way
+            return self.read(regions, torch.device("cpu"), out)
+        return self._read(regions, torch.device("cpu"), out, views=True)
+
+    def check_views(self) -> None:
+        """Raises CheckpointError naming a file truncated under views handed out."""
+        hit = self._files.damaged()
+        if hit:
+            raise CheckpointError(
+                f"{self.description}: {self.path / hit} changed while it was read: it was "
+                "truncated, so values read from it are not reported (run again once nothing "
+                "writes to it)"
+            )
+
+    def _read(
+        self,
+        regions: Sequence[Region],
+        device: torch.device,
+        out: Sequence[torch.Tensor] | None,
+        views: bool,
+    ) -> list[torch.Tensor]:
+        plans: list[list[tuple[int, Box]]] = []
+        singles = self._index.singles(r.key for r in regions)
         for region in regions:
             entry = self._entries[region.key]
             if not entry.is_tensor:
                 raise KeyError(f"{region.key} is not a tensor in {self.description}")
-            chunks = self._coverage(region) if region.numel else []
-            for c_off, _ in chunks:  # refused before anything is allocated or opened
-                why = self._check.bad_entries.get((region.key, c_off))
+            chunks = self._coverage(region, singles) if region.numel else []
+            bad = self._check.bad_chunks.get(region.key, {}) if self._check else {}
+            for i, _ in chunks:  # refused before anything is allocated or opened
+                why = bad.get(i)
                 if why is not None:
                     raise CheckpointError(f"{self.description}: {region.key}: {why}")
             plans.append(chunks)
@@ -186,7 +250,7 @@ class DCPSource(Source):
         raw: dict[str, list[_RawItem]] = {}
         for i, (region, chunks) in enumerate(zip(regions, plans)):
             box = (tuple(region.offset), tuple(region.size))
-            view = self._mapped_view(region, chunks) if device.type == "cpu" else None
+            view = self._mapped_view(region, chunks, singles) if views else None
             if view is not None:
                 dests.append(view)  # read in place: the kernel reads the mapped pages
                 continue
@@ -196,51 +260,61 @@ class DCPSource(Source):
                 dests.append(
                     torch.empty(region.size, dtype=self._entries[region.key].dtype, device=device)
                 )
-            for c_off, c_size in chunks:
+            for c_pos, (c_off, c_size) in chunks:
                 part = intersect(box, (c_off, c_size))
                 if part is None:
                     continue  # no overlap (empty chunks included)
                 lo, n = part
-                pos = (region.key, c_off)
                 dest_off = tuple(a - b for a, b in zip(lo, region.offset))
                 src_off = tuple(a - b for a, b in zip(lo, c_off))
-                rc = self._raw_chunk(pos, c_size) if self.raw_reads else None
+                rc, rel = (None, "")
+                if self.raw_reads:
+                    rc, rel = self._raw_chunk(region.key, c_pos, c_size, singles)
                 if rc is not None:
-                    rel = self._storage[pos].relative_path
                     target = dests[i]
                     for d, (o, k) in enumerate(zip(dest_off, n)):
                         target = target.narrow(d, o, k)
                     raw.setdefault(rel, []).append(_RawItem(rc, src_off, n, target, region.key))
                     continue
-                items.append((i, tuple(region.offset), dest_off, pos, src_off, tuple(n)))
+                items.append((i, tuple(region.offset), dest_off, (region.key, c_off), src_off,
+                              tuple(n)))  # fmt: skip
         if raw:
             self._read_raw(raw)
         if items:
             self._run(items, _Planner(dests))
         return dests
 
+    def _storage(self, key: str, pos: int, singles: _Singles) -> Storage:
+        one = singles.get(key)
+        if one is not None and one[2] is not None:
+            return one[2]
+        return self._index.storage(self._index.chunk_entry(key, pos))
+
     @property
     def _reader(self) -> Any:
-        """The safe DCP reader over the same metadata bytes (imports DCP; made once)."""
+        """The safe DCP reader over the same parsed metadata (imports DCP; made once)."""
         with self._lock:
             if self._safe_reader is None:
                 from fsdpcheck.sources.safe_reader import SafeFileSystemReader
 
-                reader = SafeFileSystemReader(self.path, metadata=self._metadata_bytes)
-                reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
-                self._safe_reader = reader
+                self._safe_reader = SafeFileSystemReader.from_index(self._index, self._bad_position)
             return self._safe_reader
 
-    def _fd(self, rel: str) -> int:
-        """An open descriptor of a data file (checked to be a regular file before opening)."""
-        with self._lock:
-            fd = self._fds.get(rel)
-            if fd is None:
-                path = check_regular(self.path / rel, "DCP data file")
-                fd = self._fds[rel] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            return fd
+    def _bad_position(self, key: str, offsets: tuple[int, ...] | None) -> str | None:
+        """Why the storage entry at (key, offsets) must not be read, or None."""
+        if self._check is None:
+            return None
+        if offsets is None:
+            return self._check.bad_values.get(key)
+        bad = self._check.bad_chunks.get(key)
+        if not bad:
+            return None
+        i = self._index.position_of(key, offsets)
+        return None if i is None else bad.get(i)
 
-    def _mapped_view(self, region: Region, chunks: list[Box]) -> torch.Tensor | None:
+    def _mapped_view(
+        self, region: Region, chunks: list[tuple[int, Box]], singles: _Singles
+    ) -> torch.Tensor | None:
         """The region as a view of the mapped data file, when one raw chunk holds all of it.
 
         NOTE: [mapped files] in ``rawio``: the region is handed over where it lies (pages mapped
@@ -251,22 +325,20 @@ class DCPSource(Source):
         """
         if not self.raw_reads or not region.numel or len(chunks) != 1:
             return None
-        c_off, c_size = chunks[0]
+        c_pos, (c_off, c_size) = chunks[0]
         box = (tuple(region.offset), tuple(region.size))
         if intersect(box, (c_off, c_size)) != box:
             return None
-        pos = (region.key, c_off)
-        rc = self._raw_chunk(pos, c_size)
+        rc, rel = self._raw_chunk(region.key, c_pos, c_size, singles)
         if rc is None:
             return None
-        rel = self._storage[pos].relative_path
-        mapped = self._map(rel)
+        mapped = self._files.mapped(rel)
         if mapped is None:
             return None
         # The elements lie inside the chunk's storage record (a RawChunk guarantees it);
-        # mapped_view checks them against the file's size now.
+        # the view checks them against the file's size when it was mapped.
         start = rc.data_offset + rc.storage_offset * rc.dtype.itemsize
-        t = mapped_view(mapped, start, rc.dtype, rc.shape, rc.stride)
+        t = mapped.view(start, rc.dtype, rc.shape, rc.stride)
         if t is None:
             return None
         for d, (o, s, c) in enumerate(zip(region.offset, region.size, c_off)):
@@ -274,30 +346,26 @@ class DCPSource(Source):
         populate(t)
         return t
 
-    def _map(self, rel: str) -> mmap.mmap | None:
-        """The data file mapped (`map_private`; cached, None if it cannot be mapped)."""
+    def _raw_chunk(
+        self, key: str, pos: int, size: tuple[int, ...], singles: _Singles
+    ) -> tuple[RawChunk | None, str]:
+        """Where a chunk's elements lie (None: read it through the safe reader), and its file."""
         with self._lock:
-            if rel in self._maps:
-                return self._maps[rel]
-        mapped = map_private(self._fd(rel))
-        with self._lock:
-            self._maps[rel] = mapped
-        return mapped
-
-    def _raw_chunk(self, pos: Position, size: tuple[int, ...]) -> RawChunk | None:
-        """Where a chunk's elements lie (cached), or None to read it through the safe reader."""
-        with self._lock:
-            if pos in self._raw:
-                return self._raw[pos]
-        info = self._storage[pos]
+            got = self._raw.get((key, pos))
+            if got is not None:
+                return got
+        rel, offset, length, transforms = self._storage(key, pos, singles)
         rc = None
-        if not info.transform_descriptors and pos not in self._check.bad_entries:
-            dtype = self._entries[pos[0]].dtype
+        if not transforms:
+            dtype = self._entries[key].dtype
             assert dtype is not None
-            rc = locate_chunk(self._fd(info.relative_path), info.offset, info.length, dtype, size)
+            with self._files.open(rel) as fd:
+                rc = locate_chunk(fd, offset, length, dtype, size)
         with self._lock:
-            self._raw[pos] = rc
-        return rc
+            if len(self._raw) >= _MAX_RAW:
+                self._raw.clear()
+            self._raw[(key, pos)] = (rc, rel)
+        return rc, rel
 
     def _read_raw(self, per_file: dict[str, list[_RawItem]]) -> None:
         """Byte-range reads, one worker per file (different files in parallel)."""
@@ -310,19 +378,18 @@ class DCPSource(Source):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="fsdpcheck-dcp")
                 self._finalizer.detach()
-                self._finalizer = weakref.finalize(self, _release, self._fds, [self._pool])
+                self._finalizer = weakref.finalize(self, _release, self._files, [self._pool])
             pool = self._pool
         for f in [pool.submit(self._read_file, rel, its) for rel, its in jobs]:
             f.result()
 
     def _read_file(self, rel: str, items: list[_RawItem]) -> None:
-        fd = self._fd(rel)
-        for it in items:
-            _copy_raw(fd, it, f"{self.path / rel}: {it.key}")
+        with self._files.open(rel) as fd:
+            for it in items:
+                _copy_raw(fd, it, self.path / rel)
 
     def close(self) -> None:
         """Closes the data files, drops their mappings and stops the reader threads."""
-        self._maps.clear()
         self._finalizer()
 
     def read_object(self, key: str) -> Any:
@@ -358,6 +425,109 @@ class DCPSource(Source):
         plan = self._reader.prepare_local_plan(LoadPlan(reads))
         plan = self._reader.prepare_global_plan([plan])[0]
         self._reader.read_data(plan, planner).wait()  # type: ignore[arg-type]
+
+
+#: Keys saved as one chunk, for the regions of one read (`DcpIndex.singles`).
+_Singles = dict[str, tuple[Box, int, Storage | None]]
+
+#: Data files open at once (a checkpoint of 10,000 files reads within ``ulimit -n`` 1024).
+MAX_OPEN = 64
+#: Raw chunk locations remembered (each is a few hundred bytes; reads go key by key).
+_MAX_RAW = 4096
+
+
+def _inside(box: Box, shape: tuple[int, ...]) -> bool:
+    o, s = box
+    return len(o) == len(shape) == len(s) and all(
+        a >= 0 and b >= 0 and a + b <= g for a, b, g in zip(o, s, shape)
+    )
+
+
+class _Files:
+    """The data files of a checkpoint: descriptors opened when read, mappings through the guard.
+
+    At most `MAX_OPEN` descriptors are open; one in use is closed only once its reader is done.
+    Each is opened by what it is (NOTE: [open by what it is] in ``base``). Mappings (made by
+    `mapped`, at most `MAX_OPEN` kept) hold no descriptor.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.lock = threading.Lock()
+        self.fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.users: dict[str, int] = {}
+        self.maps: collections.OrderedDict[str, Mapped | None] = collections.OrderedDict()
+        self.handed: dict[int, str] = {}  # mapping id -> file, for views handed out
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[int]:
+        with self.lock:
+            fd = self.fds.get(rel)
+            if fd is not None:
+                self.fds.move_to_end(rel)
+            self.users[rel] = self.users.get(rel, 0) + 1
+        try:
+            if fd is None:
+                fd, _ = open_regular(self.root / rel, "DCP data file")
+                with self.lock:
+                    if rel in self.fds:  # another thread opened it meanwhile
+                        os.close(fd)
+                        fd = self.fds[rel]
+                    else:
+                        self.fds[rel] = fd
+                        self._evict()
+            yield fd
+        finally:
+            with self.lock:
+                self.users[rel] -= 1
+                if not self.users[rel]:
+                    del self.users[rel]
+                self._evict()
+
+    def _evict(self) -> None:
+        for rel in list(self.fds):
+            if len(self.fds) <= MAX_OPEN:
+                break
+            if rel not in self.users:
+                os.close(self.fds.pop(rel))
+
+    def mapped(self, rel: str) -> Mapped | None:
+        with self.lock:
+            if rel in self.maps:
+                self.maps.move_to_end(rel)
+                m = self.maps[rel]
+                if m is not None:
+                    self.handed[m.id] = rel
+                return m
+        with self.open(rel) as fd:
+            m = map_guarded(fd, os.fstat(fd).st_size, str(self.root / rel))
+        with self.lock:
+            self.maps[rel] = m
+            while len(self.maps) > MAX_OPEN:
+                self.maps.popitem(last=False)
+            if m is not None:
+                self.handed[m.id] = rel
+        return m
+
+    def damaged(self) -> str | None:
+        """A file truncated under a mapping handed out since the last call (forgotten then)."""
+        with self.lock:
+            handed = dict(self.handed)
+        hit = damaged(handed)
+        with self.lock:
+            for i in handed:
+                self.handed.pop(i, None)
+            for i in hit:
+                self.maps.pop(handed[i], None)  # re-mapped (and re-checked) if read again
+        return handed[min(hit)] if hit else None
+
+    def close(self) -> None:
+        with self.lock:
+            for fd in self.fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.fds.clear()
+            self.maps.clear()
 
 
 #: One read through the safe reader: (destination: region number or value key, the region's
@@ -411,7 +581,7 @@ class _RawItem:
         )
 
 
-def _copy_raw(fd: int, it: _RawItem, what: str) -> None:
+def _copy_raw(fd: int, it: _RawItem, path: Path) -> None:
     """Reads a part of a raw chunk into its destination, touching only the rows it needs.
 
     A row-major chunk's rows are one byte range: read straight into the destination when that
@@ -421,6 +591,7 @@ def _copy_raw(fd: int, it: _RawItem, what: str) -> None:
     """
     rc, target = it.chunk, it.target
     item = rc.dtype.itemsize
+    what = f"{path}: {it.key}"
     if rc.row_major:
         row = math.prod(rc.shape[1:]) if rc.shape else 1
         r0 = it.src_off[0] if rc.shape else 0
@@ -433,16 +604,16 @@ def _copy_raw(fd: int, it: _RawItem, what: str) -> None:
             and target.is_contiguous()
             and target.dtype == rc.dtype
         ):
-            pread_into(fd, target, start, what)
+            pread_into(fd, target, start, what, path)
             return
         buf = aligned_empty(rows * row * item)
-        pread_into(fd, buf, start, what)
+        pread_into(fd, buf, start, what, path)
         src = buf.view(rc.dtype).view((rows, *rc.shape[1:]) if rc.shape else ())
         for d in range(1, len(rc.shape)):
             src = src.narrow(d, it.src_off[d], it.lengths[d])
     else:
         buf = aligned_empty(rc.nbytes - rc.nbytes % item)
-        pread_into(fd, buf, rc.data_offset, what)
+        pread_into(fd, buf, rc.data_offset, what, path)
         flat = buf.view(rc.dtype)
         # as_strided counts its offset from the start of the storage, not of this view.
         src = flat.as_strided(rc.shape, rc.stride, flat.storage_offset() + rc.storage_offset)
@@ -451,10 +622,7 @@ def _copy_raw(fd: int, it: _RawItem, what: str) -> None:
     target.copy_(src)
 
 
-def _release(fds: dict[str, int], pool: list[ThreadPoolExecutor | None]) -> None:
+def _release(files: _Files, pool: list[ThreadPoolExecutor | None]) -> None:
     if pool[0] is not None:
         pool[0].shutdown(wait=True)
-    for fd in fds.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
+    files.close()

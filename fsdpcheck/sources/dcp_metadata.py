@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import math
 import os
-import pickle
 import reprlib
 import sys
 from dataclasses import dataclass, field
@@ -27,10 +26,11 @@ from typing import Any
 
 import torch
 
-from fsdpcheck._unpickle import ADMITTED, restricted_loads
+from fsdpcheck._unpickle import ADMITTED
 from fsdpcheck.errors import CheckpointError, UnsafePickleError
-from fsdpcheck.sources.base import Problem, check_regular, file_problem, one_line
+from fsdpcheck.sources.base import Problem, file_problem, open_regular
 from fsdpcheck.sources.base import show_value as _show
+from fsdpcheck.sources.dcp_pickle import ChunkRun
 from fsdpcheck.sources.tiling import tiling_problems
 
 __all__ = [
@@ -250,28 +250,48 @@ def read_dcp_metadata(
         UnsafePickleError: It names a class outside DCP's metadata (nothing was run).
         CheckpointError: It is not a regular file, not a pickle, or not shaped like DCP metadata.
     """
+    from fsdpcheck.sources.dcp_pickle import StreamError, read_metadata_stream
+
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
     f = Path(path) / name
-    if data is None:
-        f = check_regular(f, "DCP metadata")
-        data = f.read_bytes()
     what = f"DCP metadata {f}"
+    resolve = None if dcp_classes else _mirror
     try:
-        md = restricted_loads(data, what, resolve=None if dcp_classes else _mirror)
-    except UnsafePickleError:
+        if data is None:
+            fd, _ = open_regular(f, "DCP metadata")
+            try:
+                md = read_metadata_stream(fd, what, resolve, MAX_METADATA, columns=False).metadata
+            finally:
+                os.close(fd)
+        else:
+            md = read_bytes(data, what, resolve)
+    except (UnsafePickleError, CheckpointError, FileNotFoundError, PermissionError):
         raise
-    except RecursionError:
-        raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, AttributeError,
-            IndexError, MemoryError, OverflowError, RuntimeError, ImportError) as exc:  # fmt: skip
-        # Building an admitted class with wrong arguments raises TypeError/ValueError/...
-        msg = f"{what} is unreadable: {type(exc).__name__}: {one_line(exc)}"
-        raise CheckpointError(msg) from None
+    except (StreamError, ValueError) as exc:
+        raise CheckpointError(f"{what} is unreadable: {exc}") from None
     try:
         validate_metadata(md, what)
     except RecursionError:
         raise CheckpointError(f"{what} is nested too deeply to be DCP metadata") from None
     return md
+
+
+#: ``.metadata`` larger than this is refused (a 1,024,000-chunk file is 151 MB).
+MAX_METADATA = 4 << 30
+
+
+def read_bytes(data: bytes, what: str, resolve: Any) -> Any:
+    """Metadata from bytes already read (through the same restricted machine, objects only)."""
+    import tempfile
+
+    from fsdpcheck.sources.dcp_pickle import read_metadata_stream
+
+    with tempfile.TemporaryFile() as fh:
+        fh.write(data)
+        fh.flush()
+        return read_metadata_stream(
+            fh.fileno(), what, resolve, MAX_METADATA, columns=False
+        ).metadata
 
 
 def _ints(value: Any, what: str, field: str, *, allow_negative: bool = False) -> tuple[int, ...]:
@@ -314,6 +334,8 @@ def validate_metadata(md: Any, what: str) -> None:
             if not isinstance(chunks, list):
                 raise CheckpointError(f"{what}: {key}: chunks is not a list")
             for c in chunks:
+                if type(c) is ChunkRun:
+                    continue  # chunks read as columns (dcp_pickle): integers by construction
                 if not isinstance(c, chunk_kinds):
                     raise CheckpointError(f"{what}: {key}: a chunk is a {type(c).__name__}")
                 _ints(getattr(c, "offsets", None), what, f"{key}: chunk offsets",
@@ -420,6 +442,62 @@ class StorageCheck:
         return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
 
 
+def outside_shape(off: Any, size: Any, shape: tuple[int, ...]) -> str:
+    """The finding for a chunk that lies outside its tensor's shape."""
+    return f"chunk at offset {off} of size {size} lies outside the global shape {shape}"
+
+
+def wrong_dims(off: Any, shape: tuple[int, ...]) -> str:
+    """The finding for a chunk with a number of dims other than its tensor's."""
+    return f"chunk at offset {off} has the wrong number of dims for the shape {shape}"
+
+
+def no_entry(off: Any) -> str:
+    """The finding for a chunk that no storage entry holds."""
+    return f"chunk at offset {off} has no storage entry"
+
+
+def short_data(off: Any, n: int, itemsize: int, length: int) -> str:
+    """The finding for a chunk whose stored bytes are fewer than its elements need."""
+    return (
+        f"chunk at offset {off} declares {n} elements ({n * itemsize} bytes) but its stored "
+        f"data has {length} bytes"
+    )
+
+
+def chunk_finding(
+    off: tuple[int, ...],
+    size: tuple[int, ...],
+    shape: tuple[int, ...],
+    itemsize: int,
+    stored: int | None,
+) -> tuple[tuple[str, str] | None, bool]:
+    """What is wrong with one saved chunk ((kind, message) or None) and whether it tiles.
+
+    Args:
+        off: The chunk's offsets.
+        size: The chunk's sizes.
+        shape: Its tensor's global shape.
+        itemsize: Bytes per element.
+        stored: Bytes of its storage entry (None: it has none).
+
+    Returns:
+        The finding (kind "layout", "missing" or "error"), and whether the chunk takes part in
+        the tiling check (inside the shape, non-empty or 0-d).
+    """
+    if len(off) != len(shape) or len(size) != len(shape):
+        return ("layout", wrong_dims(off, shape)), False
+    if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
+        return ("layout", outside_shape(off, size, shape)), False
+    n = math.prod(size)
+    live = n > 0 or not shape
+    if stored is None:
+        return (("missing", no_entry(off)) if live else None), live
+    if n * itemsize > stored:
+        return ("error", short_data(off, n, itemsize, stored)), live
+    return None, live
+
+
 def planner_paths(md: Any) -> dict[str, tuple[str, ...]]:
     """Each key's structural path from DCP's planner data (the key itself where there is none).
 
@@ -474,27 +552,15 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
         itemsize = meta.properties.dtype.itemsize
         for c in meta.chunks:
             off, size = tuple(c.offsets), tuple(c.sizes)
-            if len(off) != len(shape) or len(size) != len(shape):
-                problems.append((key, "layout", f"chunk at offset {off} has the wrong number of "
-                                 f"dims for the shape {shape}"))  # fmt: skip
-                continue
-            if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
-                problems.append((key, "layout", f"chunk at offset {off} of size {size} lies "
-                                 f"outside the global shape {shape}"))  # fmt: skip
-                continue
-            n = math.prod(size)
-            if n > 0 or not shape:
-                boxes.append((off, size))
             info = storage.get((key, off))
-            if info is None:
-                if n > 0 or not shape:
-                    problems.append((key, "missing", f"chunk at offset {off} has no storage entry"))
-                continue
-            if n * itemsize > info.length:
-                problems.append((key, "error", f"chunk at offset {off} declares {n} elements "
-                                 f"({n * itemsize} bytes) but its stored data has "
-                                 f"{info.length} bytes"))  # fmt: skip
-                bad.setdefault((key, off), problems[-1][2])
+            found, live = chunk_finding(off, size, shape, itemsize,
+                                        None if info is None else info.length)  # fmt: skip
+            if live:
+                boxes.append((off, size))
+            if found is not None:
+                problems.append((key, *found))
+                if found[0] == "error":
+                    bad.setdefault((key, off), found[1])
         for p in tiling_problems(shape, boxes):
             if p.startswith("gap"):
                 gaps.add(key)

@@ -7,6 +7,8 @@ import math
 import mmap
 import os
 import re
+import threading
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,15 +22,24 @@ from fsdpcheck.sources.base import (
     Problem,
     Region,
     Source,
-    check_regular,
     file_problem,
     into,
     nested_entries,
     one_line,
+    open_regular,
     read_each,
     slices,
 )
-from fsdpcheck.sources.rawio import map_private, mapped_view, populate
+from fsdpcheck.sources.rawio import (
+    Mapped,
+    aligned_empty,
+    damaged,
+    map_guarded,
+    map_private,
+    mapped_view,
+    populate,
+    pread_into,
+)
 
 # An index.json larger than this is not an index (real ones are a few MB for huge models).
 _MAX_INDEX_BYTES = 256 << 20
@@ -74,21 +85,28 @@ class TorchSaveSource(Source):
     kind = "torch.save"
 
     def __init__(self, path: str | Path) -> None:
-        self.path = check_regular(path, "torch.save file")
+        self.path = Path(path)
         self.description = f"torch.save file {self.path}"
+        # torch opens the file by name: it is given the descriptor checked to be a regular file
+        # (NOTE: [open by what it is] in ``base``), by its /proc name where there is one.
+        fd, _ = open_regular(self.path, "torch.save file")
+        by_fd = f"/proc/self/fd/{fd}"
+        target = by_fd if os.path.exists(by_fd) else self.path
         try:
             try:
-                obj = load_weights_only(self.path, map_location="cpu", mmap=True)
+                obj = load_weights_only(target, map_location="cpu", mmap=True)
             except RuntimeError as exc:
                 if "mmap" not in str(exc):
                     raise
                 # Files written with _use_new_zipfile_serialization=False cannot be mapped.
-                obj = load_weights_only(self.path, map_location="cpu")
+                obj = load_weights_only(target, map_location="cpu")
         except (FileNotFoundError, MemoryError):
             raise
         except Exception as exc:
             msg = f"{self.description} cannot be loaded: {_load_error(exc)}"
             raise CheckpointError(msg) from None
+        finally:
+            os.close(fd)
         flat: dict[str, tuple[tuple[str, ...], Any]] = {}
         collisions: set[str] = set()
         try:
@@ -180,13 +198,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-# A mapped safetensors file: its mapping, where the data starts, and per tensor
-# (begin, end, dtype name, shape) relative to that start.
-_Layout = tuple[mmap.mmap, int, dict[str, tuple[int, int, str, tuple[int, ...]]]]
-# safetensors refuses headers larger than this too.
-_MAX_HEADER = 100_000_000
-
-
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
@@ -195,40 +206,192 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _safetensors_layout(f: Path) -> _Layout | None:
-    """The file mapped (`map_private`), where each tensor's bytes are; None if anything is off."""
+# safetensors refuses headers larger than this too.
+_MAX_HEADER = 100_000_000
+# Bits per element of every dtype safetensors knows (those fsdpcheck cannot compare included).
+_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "I64": 64,
+         "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8, "U16": 16, "U32": 32, "U64": 64,
+         "C64": 64, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}  # fmt: skip
+_DTYPE_LIST = list(_SAFETENSORS_DTYPES)
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) != len(keys):
-            raise ValueError("duplicate keys")
-        return dict(pairs)
+# NOTE: [safetensors headers] The header is parsed here, not by the safetensors library: it
+# holds a map per tensor (~200 bytes each in Rust, more as Python objects), a million-entry
+# file took 2.2 GB to inspect that way, and its open of the path is not the open that was
+# checked to be a regular file. The compact form safetensors' own writer emits is matched by
+# one regular expression a few MB at a time into columns; any other JSON goes through
+# json.loads (one small tuple per entry). Both refuse what safetensors refuses (offsets that do
+# not tile the data exactly, sizes that disagree with shape and dtype, duplicate names).
+_ENTRY = (
+    rb'"([^"\\]*(?:\\.[^"\\]*)*)":\{"dtype":"([A-Z0-9_]+)","shape":\[([0-9,]*)\],'
+    rb'"data_offsets":\[([0-9]+),([0-9]+)\]\}'
+)
+_ENTRIES = re.compile(b"(?:" + _ENTRY + b",)*", re.S)
+_FIELDS = re.compile(_ENTRY, re.S)
+_STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+_META = re.compile(rb'"__metadata__":\{(?:' + _STR + b":" + _STR + rb",?)*\},?")
 
-    try:
-        with open(check_regular(f, "safetensors file"), "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            head = fh.read(8)
-            if len(head) != 8:
-                return None
-            n = int.from_bytes(head, "little")
-            if n > _MAX_HEADER or 8 + n > size:
-                return None
-            header = json.loads(fh.read(n), object_pairs_hook=no_duplicates)
-            mapped = map_private(fh.fileno())  # holds its own descriptor
-            if mapped is None:
-                return None
-        where: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
-        for key, info in header.items():
+
+class _Header:
+    """A safetensors file's tensors as columns (NOTE: [safetensors headers]).
+
+    Attributes:
+        names: Tensor names, in header order.
+        at: Name -> position.
+        dtypes: Per tensor: index into the dtype names (`_DTYPE_LIST`; -1 unsupported).
+        shapes: Per tensor: its shape.
+        begin / end: Per tensor: its bytes, relative to `base`.
+        base: Where the data starts in the file (8 + header length).
+        size: The file's size when the header was read.
+    """
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        what = f"safetensors file {path}"
+        head = os.pread(fd, 8, 0)
+        if len(head) != 8:
+            raise CheckpointError(f"{what} is unreadable: shorter than its 8-byte header size")
+        n = int.from_bytes(head, "little")
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{what} is unreadable: its header of {n} bytes does not fit "
+                                  f"in the file of {size} bytes")  # fmt: skip
+        raw = os.pread(fd, n, 8)
+        if len(raw) != n:
+            raise CheckpointError(f"{what} changed while it was read: it was truncated")
+        self.base, self.size = 8 + n, size
+        self.names: list[str] = []
+        self.dtypes = array("b")
+        self.shapes: list[tuple[int, ...]] = []
+        self.begin = array("q")
+        self.end = array("q")
+        self.unsupported: dict[str, str] = {}
+        if not self._fast(raw):
+            self._slow(raw, what)
+        if len(set(self.names)) != len(self.names):
+            seen: set[str] = set()
+            dup = next(k for k in self.names if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise CheckpointError(f"{what} is unreadable: the tensor {dup!r:.80} is named twice")
+        self._validate(what, size)
+        self._at: dict[str, int] | None = None
+
+    @property
+    def at(self) -> dict[str, int]:
+        """Name -> position (made when first needed: ``inspect`` never needs it)."""
+        if self._at is None:
+            self._at = {k: i for i, k in enumerate(self.names)}
+        return self._at
+
+    def _fast(self, raw: bytes) -> bool:
+        text = raw.rstrip(b" ")
+        if not (text.startswith(b"{") and text.endswith(b"}")):
+            return False
+        pos, end = 1, len(text) - 1
+        m = _META.match(text, pos)
+        if m is not None:
+            pos = m.end()
+        while pos < end:
+            stop = min(end, pos + (4 << 20))
+            m = _ENTRIES.match(text, pos, stop)
+            assert m is not None
+            got = m.end()
+            if got == pos:  # the last entry (no comma after it) or not the compact form
+                last = _FIELDS.match(text, pos, end)
+                if last is None or last.end() != end:
+                    return False
+                got = end
+            self._add(_FIELDS.findall(text, pos, got))
+            pos = got
+            if pos < end and text[pos - 1 : pos] != b",":
+                return False
+        return True
+
+    def _add(self, found: list[tuple[bytes, ...]]) -> None:
+        shapes: dict[bytes, tuple[int, ...]] = {}  # shared: most tensors repeat a few shapes
+        for name, dtype, shape, b, e in found:
+            key = name.decode("utf-8") if b"\\" not in name else json.loads(b'"' + name + b'"')
+            dims = shapes.get(shape)
+            if dims is None:
+                dims = shapes[shape] = tuple(map(int, shape.split(b","))) if shape else ()
+            self._entry(key, dtype.decode(), dims, int(b), int(e))
+
+    def _entry(self, key: str, dtype: str, shape: tuple[int, ...], b: int, e: int) -> None:
+        self.names.append(key)
+        code = _DTYPE_INDEX.get(dtype, -1)
+        if code < 0:
+            self.unsupported[key] = dtype
+        self.dtypes.append(code)
+        self.shapes.append(shape)
+        self.begin.append(b)
+        self.end.append(e)
+
+    def _slow(self, raw: bytes, what: str) -> None:
+        """Any other JSON form: json.loads, one small tuple per entry."""
+
+        def entry(pairs: list[tuple[str, Any]]) -> Any:
+            d = dict(pairs)
+            if len(d) != len(pairs):
+                raise ValueError("a name appears twice")
+            if set(d) == {"dtype", "shape", "data_offsets"}:
+                return _Info(d["dtype"], d["shape"], d["data_offsets"])
+            return d
+
+        try:
+            doc = json.loads(raw, object_pairs_hook=entry)
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{what} is unreadable: its header is not JSON: "
+                                  f"{one_line(exc)}") from None  # fmt: skip
+        if not isinstance(doc, dict):
+            raise CheckpointError(f"{what} is unreadable: its header is not a JSON object")
+        for key, info in doc.items():
             if key == "__metadata__":
                 continue
-            b, e = info["data_offsets"]
-            shape = tuple(info["shape"])
-            if not all(type(v) is int and v >= 0 for v in (b, e, *shape)) or b > e:
-                return None
-            where[key] = (b, e, str(info["dtype"]), shape)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError, RecursionError):
-        return None
-    return mapped, 8 + n, where
+            if not isinstance(info, _Info):
+                raise CheckpointError(f"{what} is unreadable: the header entry {key!r:.80} is not "
+                                      "a tensor (dtype, shape, data_offsets)")  # fmt: skip
+            ok = (
+                isinstance(info.dtype, str)
+                and isinstance(info.shape, list)
+                and all(type(v) is int and v >= 0 for v in info.shape)
+                and isinstance(info.offsets, list)
+                and len(info.offsets) == 2
+                and all(type(v) is int and v >= 0 for v in info.offsets)
+            )
+            if not ok:
+                raise CheckpointError(f"{what} is unreadable: the header entry {key!r:.80} is "
+                                      "malformed")  # fmt: skip
+            self._entry(key, info.dtype, tuple(info.shape), *info.offsets)
+
+    def _validate(self, what: str, size: int) -> None:
+        """What safetensors checks: the tensors' bytes tile the data exactly, sizes agree."""
+        order = sorted(range(len(self.names)), key=self.begin.__getitem__)
+        start = 0
+        for i in order:
+            b, e, key = self.begin[i], self.end[i], self.names[i]
+            if b != start or e < b:
+                raise CheckpointError(f"{what} is unreadable: the bytes of {key!r:.80} "
+                                      f"([{b}, {e})) do not follow the tensor before them "
+                                      f"(which ends at {start})")  # fmt: skip
+            start = e
+            bits = math.prod(self.shapes[i]) * _BITS.get(self._dtype_name(i), 8)
+            if bits % 8 or e - b != bits // 8:
+                raise CheckpointError(f"{what} is unreadable: {key!r:.80} has shape "
+                                      f"{self.shapes[i]} but {e - b} bytes")  # fmt: skip
+        if self.base + start != size:
+            raise CheckpointError(f"{what} is unreadable: its tensors end at byte "
+                                  f"{self.base + start} but the file has {size} bytes")  # fmt: skip
+
+    def _dtype_name(self, i: int) -> str:
+        code = self.dtypes[i]
+        return _DTYPE_LIST[code] if code >= 0 else self.unsupported[self.names[i]]
+
+
+_DTYPE_INDEX = {name: i for i, name in enumerate(_DTYPE_LIST)}
+_TORCH = [_SAFETENSORS_DTYPES[n] for n in _DTYPE_LIST]
+
+
+class _Info:
+    __slots__ = ("dtype", "offsets", "shape")
+
+    def __init__(self, dtype: Any, shape: Any, offsets: Any) -> None:
+        self.dtype, self.shape, self.offsets = dtype, shape, offsets
 
 
 def read_index(path: Path, what: str = "safetensors index") -> dict[str, str]:
@@ -242,11 +405,16 @@ def read_index(path: Path, what: str = "safetensors index") -> dict[str, str]:
         FileNotFoundError: It does not exist.
         CheckpointError: Not a regular file, too large, not JSON, or no weight_map of strings.
     """
-    check_regular(path, what)
-    if path.stat().st_size > _MAX_INDEX_BYTES:
-        raise CheckpointError(f"{what} {path} is larger than {_MAX_INDEX_BYTES} bytes")
+    fd, st = open_regular(path, what)
     try:
-        doc = json.loads(path.read_bytes())
+        if st.st_size > _MAX_INDEX_BYTES:
+            raise CheckpointError(f"{what} {path} is larger than {_MAX_INDEX_BYTES} bytes")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(_MAX_INDEX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{what} {path} is not JSON: {one_line(exc)}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -265,15 +433,19 @@ class SafetensorsSource(Source):
 
     With an index, the index is the authority: every entry must name a regular file inside the
     index's folder that holds the named tensor, and reads go to that file only. Entries that
-    fail are left out of `entries` and listed by `problems`, as are stray copies of a tensor in
-    another shard and tensors a shard holds that the index does not list. Without an index, a
-    tensor in two files is a problem and reading it raises (there is no authority to choose).
-    Dtypes fsdpcheck cannot compare (U16/U32/U64, complex, F8_E8M0, ...) are refused when
-    opening, naming the file, the tensor and the dtype. On the CPU, boxes are views of the
-    memory-mapped file at whatever byte offset they lie (NOTE: [mapped files] in ``rawio``: the
-    kernels read them in place, pages mapped ahead by the reader thread); a tensor whose header
-    entry does not agree with what safetensors read, and every read for another device, go
-    through ``get_slice``, which reads just those bytes.
+    fail are left out of `entries` and listed by `problems`, as are tensors a shard holds that
+    the index does not list; a stray copy of a listed tensor in another shard is listed under
+    ``<shard>/<name>`` (the listed copy is still read). Without an index, a tensor in two files
+    is a problem and reading it raises (there is no authority to choose). Dtypes fsdpcheck
+    cannot compare (U16/U32/U64, complex, F8_E8M0, ...) are refused when opening, naming the
+    file, the tensor and the dtype. Headers are parsed here (NOTE: [safetensors headers]).
+
+    Reads: `read_views` returns views of the file mapped through the guard (NOTE: [mapped
+    files] and [mapped-file guard] in ``rawio``); `read` to the CPU returns views of a plain
+    mapping (kept by callers such as a full load: a truncation then ends the process, as any
+    mapping does), refusing a file that shrank since it was opened; reads for another device
+    are byte-range reads of the rows a region needs. Files are opened when read and closed
+    after.
     """
 
     kind = "safetensors"
@@ -285,8 +457,6 @@ class SafetensorsSource(Source):
         weight_map: dict[str, str] | None = None,
         root: Path | None = None,
     ) -> None:
-        from safetensors import safe_open
-
         self.description = description
         self._problems: list[Problem] = []
         self._refused: dict[str, str] = {}
@@ -305,103 +475,81 @@ class SafetensorsSource(Source):
                     self._problems.append((key, "error", f"{description}: {bad_files[name]}"))
         else:
             opened = list(files)
-        self._handles: dict[Path, Any] = {}
-        self._sizes: dict[Path, int] = {}
+        self._headers: dict[Path, _Header] = {}
         for f in opened:
-            check_regular(f, "safetensors file")
+            fd, st = open_regular(f, "safetensors file")
             try:
-                self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-                self._sizes[f] = f.stat().st_size
-            except Exception as exc:
-                msg = f"safetensors file {f} is unreadable: {one_line(exc)}"
-                raise CheckpointError(msg) from None
+                self._headers[f] = _Header(f, fd, st.st_size)
+            finally:
+                os.close(fd)
         self._file_of: dict[str, Path] = {}
         self._entries: dict[str, Entry] = {}
-        self._layout: dict[Path, _Layout | None] = {}
-        self._mapped: dict[str, int | None] = {}  # key -> byte offset in its mapped file
-        #: Whether CPU reads may return views of the mapped files (False: always get_slice).
+        self._plain: dict[Path, mmap.mmap | None] = {}
+        self._guarded: dict[Path, Mapped | None] = {}
+        self._handed: dict[int, Path] = {}
+        self._lock = threading.Lock()
+        #: Whether CPU reads may return views of the mapped files (False: byte-range reads).
         self.mapped_reads = True
-        held: dict[str, list[Path]] = {}
-        for f, h in self._handles.items():
-            for key in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                held.setdefault(key, []).append(f)
         if weight_map is not None:
             assert root is not None
             for key, name in weight_map.items():
                 f = root / name
-                if f not in self._handles:
+                h = self._headers.get(f)
+                if h is None:
                     continue  # already a problem
-                if f not in held.get(key, []):
+                i = h.at.get(key)
+                if i is None:
                     msg = f"{description} names {name} for {key}, but {name} has no such tensor"
                     self._problems.append((key, "error", msg))
                     continue
-                self._add(key, f)
-            for key, where in held.items():
-                named = weight_map.get(key)
-                for f in where:
+                self._add(key, f, i)
+            for f, h in self._headers.items():
+                for key in h.names:
+                    named = weight_map.get(key)
                     if named is None:
                         msg = f"{f.name} holds {key}, which {description} does not list (not read)"
                         self._problems.append((key, "error", msg))
                     elif f != root / named:
+                        # Under its own name: the copy the index names is still read.
                         msg = (
                             f"a stray copy of {key} is in {f.name}; {description} names "
                             f"{named}, which is what is read"
                         )
-                        self._problems.append((key, "error", msg))
+                        self._problems.append((f"{f.name}/{key}", "error", msg))
         else:
-            for key, where in held.items():
-                self._add(key, where[0])
-                if len(where) > 1:
-                    self._refused[key] = (
-                        f"{key} is in both {where[0]} and {where[1]} and no index says which "
-                        "is meant; refusing to read either"
-                    )
-                    self._problems.append((key, "error", self._refused[key]))
+            seen: dict[str, Path] = {}
+            one = len(self._headers) == 1
+            for f, h in self._headers.items():
+                if h.unsupported:
+                    bad = next(k for k in h.names if k in h.unsupported)
+                    self._add(bad, f, h.at[bad])  # raises, naming it
+                for i, key in enumerate(h.names):
+                    first = None if one else seen.get(key)
+                    if first is None:
+                        if not one:
+                            seen[key] = f
+                            self._file_of[key] = f
+                        # A flat name: its path is the name, dots included (as ``matching``
+                        # reads it).
+                        self._entries[key] = Entry(key, (key,), h.shapes[i], _TORCH[h.dtypes[i]])
+                    elif key not in self._refused:
+                        self._refused[key] = (
+                            f"{key} is in both {first} and {f} and no index says which is "
+                            "meant; refusing to read either"
+                        )
+                        self._problems.append((key, "error", self._refused[key]))
 
-    def _add(self, key: str, f: Path) -> None:
-        sl = self._handles[f].get_slice(key)
-        name = sl.get_dtype()
-        dtype = _SAFETENSORS_DTYPES.get(name)
-        if dtype is None:
+    def _add(self, key: str, f: Path, i: int) -> None:
+        h = self._headers[f]
+        if h.dtypes[i] < 0:
             raise CheckpointError(
-                f"safetensors file {f}: tensor {key} has dtype {name}, which fsdpcheck cannot "
-                f"compare (supported: {', '.join(_SAFETENSORS_DTYPES)})"
+                f"safetensors file {f}: tensor {key} has dtype {h.unsupported[key]}, which "
+                f"fsdpcheck cannot compare (supported: {', '.join(_SAFETENSORS_DTYPES)})"
             )
-        self._file_of[key] = f
-        self._entries[key] = Entry(key, tuple(key.split(".")), tuple(sl.get_shape()), dtype)
-
-    def _mapped_tensor(self, key: str) -> torch.Tensor | None:
-        """The whole tensor as a view of its memory-mapped file, or None (read with get_slice).
-
-        The header is parsed here too and must agree with what safetensors read (dtype, shape)
-        and describe exactly the tensor's bytes inside the file (at any byte offset: files not
-        written by safetensors' own writer need not pad); anything else (duplicate header keys,
-        a file that shrank) falls back to get_slice, which copies.
-        """
-        f = self._file_of[key]
-        entry = self._entries[key]
-        if key not in self._mapped:
-            if f not in self._layout:
-                self._layout[f] = _safetensors_layout(f)
-            layout = self._layout[f]
-            at = None
-            if layout is not None and key in layout[2] and entry.dtype is not None:
-                _, base, table = layout
-                start, end, dtype_name, shape = table[key]
-                if (
-                    _SAFETENSORS_DTYPES.get(dtype_name) == entry.dtype
-                    and shape == entry.shape
-                    and end - start == math.prod(shape) * entry.dtype.itemsize
-                ):
-                    at = base + start
-            self._mapped[key] = at
-        at = self._mapped[key]
-        layout = self._layout[f]
-        if at is None or layout is None or entry.dtype is None:
-            return None
-        # A fresh view each time: mapped_view checks the file's size now (SIGBUS otherwise).
-        strides = _contiguous_strides(entry.shape)
-        return mapped_view(layout[0], at, entry.dtype, entry.shape, strides)
+        if len(self._headers) > 1:
+            self._file_of[key] = f
+        # A flat name: its path is the name itself, dots included (``matching`` reads it so).
+        self._entries[key] = Entry(key, (key,), h.shapes[i], _TORCH[h.dtypes[i]])
 
     @classmethod
     def from_path(cls, path: Path) -> SafetensorsSource:
@@ -432,45 +580,148 @@ class SafetensorsSource(Source):
         """Index entries that fail, stray or unlisted copies, ambiguous duplicates."""
         return list(self._problems)
 
+    def _file(self, key: str) -> Path:
+        """The file that holds `key` (the one file, or the one the index names)."""
+        if len(self._headers) == 1:
+            return next(iter(self._headers))
+        return self._file_of[key]
+
+    def _where(self, key: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]]:
+        f = self._file(key)
+        h = self._headers[f]
+        i = h.at[key]
+        e = self._entries[key]
+        assert e.dtype is not None
+        return f, h.base + h.begin[i], e.dtype, e.shape
+
+    def _mapped_tensor(self, key: str) -> torch.Tensor | None:
+        """The whole tensor as a view of its file mapped through the guard, or None."""
+        f, start, dtype, shape = self._where(key)
+        with self._lock:
+            if f not in self._guarded:
+                fd, st = open_regular(f, "safetensors file")
+                try:
+                    size = min(st.st_size, self._headers[f].size)
+                    self._guarded[f] = map_guarded(fd, size, str(f))
+                finally:
+                    os.close(fd)
+            m = self._guarded[f]
+            if m is None:
+                return None
+            self._handed[m.id] = f
+        return m.view(start, dtype, shape, _contiguous_strides(shape))
+
+    def _plain_tensor(self, key: str) -> torch.Tensor | None:
+        """The whole tensor as a view of a plain mapping of its file, or None."""
+        f, start, dtype, shape = self._where(key)
+        with self._lock:
+            if f not in self._plain:
+                fd, _ = open_regular(f, "safetensors file")
+                try:
+                    self._plain[f] = map_private(fd)
+                finally:
+                    os.close(fd)
+            mapped = self._plain[f]
+        if mapped is None:
+            return None
+        return mapped_view(mapped, start, dtype, shape, _contiguous_strides(shape))
+
+    def _copy(self, r: Region, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The region read by byte range: the rows it spans, then the columns it needs.
+
+        Straight into `out` when the region is whole rows and `out` is contiguous.
+        """
+        f, start, dtype, shape = self._where(r.key)
+        row = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+        r0, rows = (r.offset[0], r.size[0]) if shape else (0, 1)
+        whole = out is not None and out.is_contiguous() and tuple(r.size[1:]) == tuple(shape[1:])
+        buf = out.view(torch.uint8).view(-1) if whole and out is not None else aligned_empty(
+            rows * row)  # fmt: skip
+        fd, _ = open_regular(f, "safetensors file")
+        try:
+            pread_into(fd, buf, start + r0 * row, f"safetensors file {f}: {r.key}", f)
+        finally:
+            os.close(fd)
+        if whole and out is not None:
+            return out
+        t = buf.view(dtype).view((rows, *shape[1:]) if shape else ())
+        for d in range(1, len(shape)):
+            t = t.narrow(d, r.offset[d], r.size[d])
+        return t
+
+    def _refuse(self, regions: Sequence[Region]) -> None:
+        for r in regions:
+            if r.key in self._refused:
+                raise CheckpointError(self._refused[r.key])
+
     def read(
         self,
         regions: Sequence[Region],
         device: torch.device,
         out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Each region read with get_slice (only its bytes), then moved to `device`.
+        """Each region: a view of the mapped file on the CPU, else read by byte range.
 
         Raises:
             CheckpointError: A tensor held by two files with no index to choose, or a file
                 that shrank since it was opened.
         """
-        for r in regions:
-            if r.key in self._refused:
-                raise CheckpointError(self._refused[r.key])
-        for f in {self._file_of[r.key] for r in regions}:
-            # Both safetensors' reader and the mapped views read a mapping of the file: one that
-            # shrank since it was opened would kill the process (SIGBUS) instead of raising.
-            now = f.stat().st_size
-            if now < self._sizes[f]:
-                raise CheckpointError(
-                    f"safetensors file {f} shrank from {self._sizes[f]} to {now} bytes after it "
-                    "was opened; refusing to read it (was it being rewritten?)"
-                )
-
-        def fetch(r: Region) -> torch.Tensor:
-            h = self._handles[self._file_of[r.key]]
-            return h.get_slice(r.key)[slices(r)] if r.size else h.get_tensor(r.key)
-
+        self._refuse(regions)
         if device.type == "cpu" and self.mapped_reads:
-            # Read in place: views of the mapped file (no copy), pages mapped now.
+            for f in {self._file(r.key) for r in regions}:
+                # A plain mapping of a file that shrank since it was opened would kill the
+                # process (SIGBUS) instead of raising: checked before every read.
+                now = f.stat().st_size
+                if now < self._headers[f].size:
+                    raise CheckpointError(
+                        f"safetensors file {f} shrank from {self._headers[f].size} to {now} "
+                        "bytes after it was opened; refusing to read it (was it being "
+                        "rewritten?)"
+                    )
             result = []
             for i, r in enumerate(regions):
-                whole = self._mapped_tensor(r.key)
+                whole = self._plain_tensor(r.key)
                 if whole is None:
-                    result.append(into(fetch(r), out[i] if out is not None else None, device))
+                    result.append(into(self._copy(r), out[i] if out is not None else None,
+                                       device))  # fmt: skip
                     continue
                 v = whole[slices(r)] if r.size else whole
                 populate(v)
                 result.append(v)
             return result
-        return read_each(regions, device, out, fetch)
+        return read_each(regions, device, out, self._copy)
+
+    def read_views(
+        self, regions: Sequence[Region], out: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Views of the files mapped through the guard (checked by `check_views`)."""
+        if type(self).read is not SafetensorsSource.read:  # a subclass that reads its own way
+            return self.read(regions, torch.device("cpu"), out)
+        self._refuse(regions)
+        result = []
+        for i, r in enumerate(regions):
+            whole = self._mapped_tensor(r.key) if self.mapped_reads else None
+            if whole is None:
+                got = self._copy(r, out[i])
+                result.append(got if got is out[i] else out[i].copy_(got))
+                continue
+            v = whole[slices(r)] if r.size else whole
+            populate(v)
+            result.append(v)
+        return result
+
+    def check_views(self) -> None:
+        """Raises CheckpointError naming a file truncated under views handed out."""
+        with self._lock:
+            handed = dict(self._handed)
+            self._handed.clear()
+        hit = damaged(handed)
+        if hit:
+            f = handed[min(hit)]
+            with self._lock:
+                for i in hit:
+                    self._guarded.pop(handed[i], None)
+            raise CheckpointError(
+                f"safetensors file {f} changed while it was read: it was truncated, so values "
+                "read from it are not reported (run again once nothing writes to it)"
+            )

@@ -76,6 +76,7 @@ class Prefetcher:
         staged = on_gpu or cuda is not None
         self._stage = _DeviceStage(self.device, cuda or torch.cuda) if staged else None
         self._workers = workers
+        self._parts: dict[int, list[Part]] = {}
 
     def run(
         self, batches: Iterable[tuple[Any, Sequence[Part]]]
@@ -112,6 +113,10 @@ class Prefetcher:
                 yield tag, parts
                 if self._stage is not None:
                     self._stage.release(s)
+                # The caller has used the batch: a view of a file truncated meanwhile read
+                # zeros (NOTE: [mapped-file guard]); its source names the file here.
+                for src in {id(p[0]): p[0] for p in self._parts.pop(s, [])}.values():
+                    src.check_views()
                 nxt = next(it, None)
                 if nxt is not None:
                     pending.append(self._submit(pool, nxt, s))
@@ -126,6 +131,7 @@ class Prefetcher:
         self, pool: ThreadPoolExecutor, batch: tuple[Any, Sequence[Part]], slot: int
     ) -> tuple[Any, int, list[Future[list[torch.Tensor]]]]:
         tag, parts = batch
+        self._parts[slot] = list(parts)
         specs = [
             (tuple(r.size), _dtype(src, r)) for src, regions in parts for r in regions
         ]  # one carve for the whole batch, split per part
@@ -160,12 +166,13 @@ def _read(
     dev: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """Reads a part of a batch on a reader thread; staged, also queues its copy to the device."""
-    got = source.read(regions, torch.device("cpu"), out)
+    got = source.read_views(regions, out)
     if stage is None:
         return got
     # Copies to the GPU go from page-locked memory: a view of a mapped file (the source returned
     # data where it lies) is first copied into this batch's pinned arena.
     got = [o if t.data_ptr() == o.data_ptr() else o.copy_(t) for t, o in zip(got, out)]
+    source.check_views()  # the copy read the views
     stage.copy(slot, got, dev)
     return dev
 

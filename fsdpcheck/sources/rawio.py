@@ -23,7 +23,7 @@ import struct
 import sys
 import threading
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,11 +70,11 @@ def _writable_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def pread_into(fd: int, t: torch.Tensor, offset: int, what: str) -> None:
+def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = None) -> None:
     """Fills the contiguous CPU tensor `t` with the bytes of `fd` from `offset` on.
 
     Raises:
-        CheckpointError: The file ends first (it shrank after it was checked).
+        CheckpointError: The file ends first (it was truncated after it was checked).
     """
     n = t.numel() * t.element_size()
     if n == 0:
@@ -84,9 +84,10 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, what: str) -> None:
     while done < n:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
+            changed = f"{path} changed while it was read: it was truncated" if path else (
+                "the file changed after it was checked?")  # fmt: skip
             raise CheckpointError(
-                f"{what}: only {done} of {n} bytes could be read at byte {offset} (the file "
-                "changed after it was checked?)"
+                f"{what}: only {done} of {n} bytes could be read at byte {offset} ({changed})"
             )
         done += got
 
@@ -103,18 +104,122 @@ def elements_spanned(shape: Sequence[int], stride: Sequence[int]) -> int:
 def map_private(fd: int) -> mmap.mmap | None:
     """A whole open file mapped copy-on-write, or None (empty, or it cannot be mapped).
 
-    NOTE: [mapped files] Mapping page-cache pages costs a fraction of copying them (a few ms per
-    100 MB against tens), so both DCP chunks and safetensors tensors are handed to the kernels
-    as views of the mapped file (`mapped_view`), at whatever byte offset they lie: the kernels
-    read misaligned elements (load_as). Copy-on-write (``ACCESS_COPY``) only so that
-    torch.frombuffer gets a writable buffer: nothing writes to it, and a write could never reach
-    the file. The mapping lives as long as the last view of it.
+    Unguarded (see `map_guarded`): for views a caller keeps beyond a checked read.
     """
     try:
         size = os.fstat(fd).st_size
         return mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size > 0 else None
     except (OSError, ValueError):
         return None
+
+
+class Mapped:
+    """A file mapped read-only through the SIGBUS guard (NOTE: [mapped-file guard]).
+
+    NOTE: [mapped files] Mapping page-cache pages costs a fraction of copying them (a few ms per
+    100 MB against tens), so both DCP chunks and safetensors tensors are handed to the kernels
+    as views of the mapped file (`view`), at whatever byte offset they lie: the kernels read
+    misaligned elements (load_as). The mapping lives as long as the last view of it; it holds
+    no file descriptor.
+
+    Attributes:
+        id: Its id in the guard's fault records.
+        path: The file, for messages.
+        data: uint8 tensor over the whole file as it was when mapped.
+    """
+
+    def __init__(self, ident: int, path: str, data: torch.Tensor) -> None:
+        self.id, self.path, self.data = ident, path, data
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def view(
+        self, start: int, dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int]
+    ) -> torch.Tensor | None:
+        """The strided tensor whose first element is at byte `start`, or None (outside).
+
+        At any byte offset (a view of a ctypes array over the bytes, which keeps the mapping
+        alive: tensor views of the uint8 data cannot start between elements).
+        """
+        shape, stride = tuple(shape), tuple(stride)
+        if 0 in shape:
+            return torch.empty(shape, dtype=dtype)
+        span = elements_spanned(shape, stride)
+        end = start + span * dtype.itemsize
+        if start < 0 or end > self.data.numel():
+            return None
+        item = dtype.itemsize
+        if start % item == 0:  # one tensor per view (a batch may hold a hundred thousand)
+            typed = self._typed.get(dtype)
+            if typed is None:
+                whole = self.data[: self.data.numel() - self.data.numel() % item]
+                typed = self._typed[dtype] = whole.view(dtype)
+            return typed.as_strided(shape, stride, start // item)
+        buf = (ctypes.c_char * (end - start)).from_address(self.data.data_ptr() + start)
+        buf.keep = self.data  # type: ignore[attr-defined]
+        return torch.frombuffer(buf, dtype=dtype, count=span).as_strided(shape, stride)
+
+
+_next_id = 0
+_ids_lock = threading.Lock()
+_faults_seen = 0
+_faulted: set[int] = set()
+_faults_lost = False
+
+
+#: How the offline readers hand data to the kernels: "map" (views of files mapped through the
+#: guard, the default: NOTE: [mapped files]) or "pread" (byte-range reads into buffers, never a
+#: mapping; environment variable ``FSDPCHECK_READ``).
+READ_MODE = os.environ.get("FSDPCHECK_READ", "map")
+
+
+def map_guarded(fd: int, size: int, path: str) -> Mapped | None:
+    """`fd` mapped through the guard, or None (empty, no guard, `READ_MODE` "pread", failed)."""
+    global _next_id
+    if size <= 0 or READ_MODE == "pread" or not _guard_available():
+        return None
+    with _ids_lock:
+        _next_id += 1
+        ident = _next_id
+    try:
+        data = torch.ops.fsdpcheck._map_file(fd, size, ident)
+    except RuntimeError:
+        return None
+    if data.numel() != size:
+        return None
+    return Mapped(ident, path, data)
+
+
+def damaged(ids: Iterable[int]) -> set[int]:
+    """Which of the mappings `ids` had a page lost to a truncation since they were made."""
+    global _faults_seen, _faults_lost
+    ids = set(ids)
+    if not ids or not _guard_available():
+        return set()
+    with _ids_lock:
+        got = torch.ops.fsdpcheck._guard_faults(_faults_seen)
+        total, new = got[0], got[1:]
+        if total - _faults_seen > len(new):
+            _faults_lost = True  # more faults than the ring holds: any mapping may be hit
+        _faulted.update(new)
+        _faults_seen = total
+        if _faults_lost:
+            return ids
+        return ids & _faulted
+
+
+def _guard_available() -> bool:
+    global _GUARD
+    if _GUARD is None:
+        try:
+            import fsdpcheck._ext  # noqa: F401  (registers the operators)
+
+            _GUARD = hasattr(torch.ops.fsdpcheck, "_map_file") and sys.platform.startswith("linux")
+        except (ImportError, RuntimeError, AttributeError):
+            _GUARD = False
+    return bool(_GUARD)
+
+
+_GUARD: bool | None = None
 
 
 def mapped_view(

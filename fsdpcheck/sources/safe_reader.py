@@ -15,8 +15,9 @@ behind it. `SafeLoadPlanner` loads bytes ``weights_only`` too. Use both::
 from __future__ import annotations
 
 import io
+import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from torch.futures import Future
 
 from fsdpcheck._unpickle import load_weights_only
 from fsdpcheck.errors import CheckpointError
-from fsdpcheck.sources.base import check_regular, one_line
+from fsdpcheck.sources.base import one_line, open_regular
+from fsdpcheck.sources.dcp_index import DcpIndex
 from fsdpcheck.sources.dcp_metadata import (
     StorageCheck,
     check_storage,
@@ -86,6 +88,11 @@ class SafeFileSystemReader(FileSystemReader):
 
     Errors are `CheckpointError` (a ValueError) with one line naming the file and the key.
 
+    Every decompression a storage transform (e.g. ``stream.zstd``) does is bounded by what the
+    entry can hold: a chunk's elements plus the torch.save record around them, `MAX_VALUE`
+    bytes for a non-tensor value; a stream that inflates past that is refused (one line naming
+    the key and the file) before more is read.
+
     Args:
         path: The DCP checkpoint directory.
         metadata: The bytes of ``.metadata`` when the caller has read them already (so both
@@ -96,7 +103,28 @@ class SafeFileSystemReader(FileSystemReader):
         super().__init__(path)
         self.root = Path(path)
         self._data = metadata
+        self._metadata: Any = None
         self._checked: StorageCheck | None = None
+        self._bad: Callable[[str, tuple[int, ...] | None], str | None] | None = None
+        self._chunk_bytes: Callable[[str, tuple[int, ...]], int | None] | None = None
+
+    @classmethod
+    def from_index(
+        cls, index: DcpIndex, bad: Callable[[str, tuple[int, ...] | None], str | None]
+    ) -> SafeFileSystemReader:
+        """A reader over metadata already parsed into `index` (``.metadata`` is not read again).
+
+        Args:
+            index: The parsed metadata (``dcp_index.open_index``).
+            bad: Why the storage entry at (key, chunk offsets or None) must not be read, or
+                None (what the opener's check found).
+        """
+        reader = cls(index.root)
+        storage = _IndexStorage(index)
+        reader.storage_data = storage  # type: ignore[assignment]  # a Mapping serves DCP
+        reader._bad = bad
+        reader._chunk_bytes = storage.chunk_bytes
+        return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (DCP's classes), read with the restricted unpickler."""
@@ -104,6 +132,7 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         data = self._data if rank is None else None
         md = read_dcp_metadata(self.root, rank, dcp_classes=True, data=data)
+        self._metadata = md
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -131,10 +160,26 @@ class SafeFileSystemReader(FileSystemReader):
                 raise CheckpointError(
                     f"DCP checkpoint {self.root}: {where} has no storage entry in its .metadata"
                 )
-            why = self.storage_check.bad_entries.get(position(req.storage_index))
+            pos = position(req.storage_index)
+            if self._bad is not None:
+                why = self._bad(*pos)
+            else:
+                why = self.storage_check.bad_entries.get(pos)
             if why is None:
                 continue
             raise CheckpointError(f"DCP checkpoint {self.root}: {where}: {why}")
+
+    def _limit(self, req: ReadItem) -> int:
+        """Most bytes the entry of `req` may inflate to (see the class docstring)."""
+        if req.type == LoadItemType.BYTE_IO:
+            return MAX_VALUE
+        fqn, offsets = position(req.storage_index)
+        n = None
+        if self._chunk_bytes is not None and offsets is not None:
+            n = self._chunk_bytes(fqn, offsets)
+        elif offsets is not None:
+            n = _chunk_bytes_of(self._metadata, fqn, offsets)
+        return MAX_VALUE if n is None else n + RECORD_SLACK
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads the plan's items after checking all of them (see the class docstring)."""
@@ -143,8 +188,9 @@ class SafeFileSystemReader(FileSystemReader):
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for rel, reqs in per_file.items():
-            path = check_regular(self.root / rel, "DCP data file")
-            with open(path, "rb") as stream:
+            path = self.root / rel
+            fd, _ = open_regular(path, "DCP data file")
+            with os.fdopen(fd, "rb") as stream:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     self._read_item(stream, path, req, planner)
         fut: Future[None] = Future()
@@ -155,17 +201,28 @@ class SafeFileSystemReader(FileSystemReader):
         info = self.storage_data[req.storage_index]
         what = f"{path}: {req.storage_index.fqn}"
         stream.seek(info.offset)
-        raw = stream.read(info.length)
+        # The declared length, no more than the file holds (a length is not an allocation).
+        raw = stream.read(max(0, min(info.length, os.fstat(stream.fileno()).st_size - info.offset)))
         if len(raw) != info.length:
-            raise CheckpointError(f"{what}: only {len(raw)} of {info.length} bytes could be read")
+            raise CheckpointError(
+                f"{what}: only {len(raw)} of {info.length} bytes could be read ({path} changed "
+                "while it was read: it was truncated)"
+            )
         if info.transform_descriptors:
+            limit = self._limit(req)
             try:
                 raw = self.transforms.transform_load_stream(
                     req, info.transform_descriptors, io.BytesIO(raw)
-                ).read(-1)
+                ).read(limit + 1)
             except Exception as exc:
                 raise CheckpointError(f"{what}: cannot undo its storage transform: "
                                       f"{one_line(exc)}") from None  # fmt: skip
+            if len(raw) > limit:
+                raise CheckpointError(
+                    f"{what}: its storage transform ({', '.join(info.transform_descriptors)}) "
+                    f"inflates past {limit} bytes, more than the entry can hold; refusing it "
+                    "(a decompression bomb?)"
+                )
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, safe_bytes(raw, what))
             return
@@ -193,6 +250,67 @@ class SafeFileSystemReader(FileSystemReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+#: Bytes a non-tensor value may inflate to through a storage transform.
+MAX_VALUE = 256 << 20
+#: Bytes of torch.save record around a chunk's elements (zip headers, data.pkl, byteorder).
+RECORD_SLACK = 1 << 20
+
+
+def _chunk_bytes_of(md: Any, fqn: str, offsets: tuple[int, ...]) -> int | None:
+    """Bytes of the elements of the chunk at (fqn, offsets) by DCP metadata, or None."""
+    meta = getattr(md, "state_dict_metadata", {}).get(fqn) if md is not None else None
+    chunks = getattr(meta, "chunks", None)
+    if not chunks:
+        return None
+    for c in chunks:
+        if tuple(c.offsets) == tuple(offsets):
+            props: Any = meta.properties  # type: ignore[union-attr]
+            return math.prod(c.sizes) * props.dtype.itemsize
+    return None
+
+
+class _IndexStorage(Mapping[Any, Any]):
+    """``storage_data`` for DCP's reader: one `_StorageInfo` made per lookup, from columns."""
+
+    def __init__(self, index: DcpIndex) -> None:
+        self.index = index
+
+    def _entry(self, key: Any) -> int:
+        fqn, offsets = position(key)
+        idx = self.index
+        k = idx.key_id.get(fqn)
+        if k is None:
+            return -1
+        if offsets is None:
+            return idx.value_entry.get(fqn, -1)
+        i = idx.position_of(fqn, offsets) if idx.tensor[k] else None
+        return -1 if i is None else idx.chunk_entry(fqn, i)
+
+    def chunk_bytes(self, fqn: str, offsets: tuple[int, ...]) -> int | None:
+        idx = self.index
+        k = idx.key_id.get(fqn)
+        i = idx.position_of(fqn, offsets) if k is not None and idx.tensor[k] else None
+        if i is None or k is None:
+            return None
+        dtype = idx.dtypes[k]
+        return math.prod(idx.chunk(fqn, i)[1]) * (dtype.itemsize if dtype else 1)
+
+    def __getitem__(self, key: Any) -> Any:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        e = self._entry(key)
+        if e < 0:
+            raise KeyError(key)
+        rel, offset, length, transforms = self.index.storage(e)
+        return _StorageInfo(rel, offset, length, list(transforms) or None)
+
+    def __iter__(self) -> Iterator[Any]:
+        raise TypeError("storage entries are looked up, not listed")
+
+    def __len__(self) -> int:
+        return int(self.index.entry_where.shape[0])
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
