@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import datetime
 import importlib
 import itertools
 import os
@@ -53,6 +54,15 @@ T = TypeVar("T")
 
 #: What torchrun sets in every process it starts (LOCAL_RANK too, used to pick a GPU).
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+#: How long a process waits in a collective for the others (gloo's limit per operation).
+#: NOTE: [waiting for the slowest share] A process that finished its share waits in the
+#: combining all-reduce for the slowest one: shares hold equal bytes, but a host whose page
+#: cache is cold, or whose filesystem is slower, reads its share at a tenth of the others'
+#: speed (a 64 GB share: ~11 minutes at 100 MB/s). torch's default of 30 minutes would fail
+#: such a launch; a process that died is found at once anyway (``collectives.Comm`` watches the
+#: store), so only a hung process makes anyone wait this long.
+TIMEOUT_S = 6 * 3600
 
 #: Work items per process the plan aims at (a tensor larger than its share is cut into row
 #: blocks of about share / PIECES bytes), and the smallest block cut for that.
@@ -111,7 +121,7 @@ def session() -> Iterator[Session]:
 
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     previous, _CURRENT = _CURRENT, Session(Comm())
     try:
         yield _CURRENT

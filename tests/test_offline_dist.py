@@ -260,3 +260,61 @@ def test_torchrun_launch(tmp_path: Path) -> None:
         f"fsdpcheck fingerprint: DCP checkpoint {c['clean']} (data): Input/output error "
         "(on rank 1)\n"
     )
+
+
+def test_the_collector_is_paused_for_the_call_and_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE: [collector]: off inside compare and fingerprint, as the caller left it after."""
+    import gc
+
+    from safetensors.torch import save_file
+
+    from fsdpcheck import fingerprints
+    from fsdpcheck.comparison import compare_checkpoints
+
+    path = tmp_path / "a.safetensors"
+    save_file({"w": torch.ones(4, 3)}, str(path))
+    seen = []
+
+    def refused(*args: Any) -> None:
+        seen.append(gc.isenabled())
+        raise ValueError("refused inside")
+
+    monkeypatch.setattr(fingerprints, "refuse_problems", refused)
+    for was_on in (True, False):
+        (gc.enable if was_on else gc.disable)()
+        try:
+            compare_checkpoints(path, path, progress=lambda d, t: seen.append(gc.isenabled()))
+            assert gc.isenabled() is was_on
+            with pytest.raises(ValueError, match="refused inside"):
+                fingerprints.checkpoint_fingerprints(path)
+            assert gc.isenabled() is was_on
+        finally:
+            gc.enable()
+    assert seen == [False] * 4
+
+
+def test_one_process_makes_no_process_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without torchrun's environment the commands run as they always did: no group, no session."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from fsdpcheck.cli import main
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a process group was made")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    for k in offline_dist.LAUNCH_ENV:
+        monkeypatch.delenv(k, raising=False)
+    path = str(tmp_path / "a.safetensors")
+    save_file({"w": torch.ones(4, 3)}, path)
+    assert main(["compare", path, path]) == 0
+    assert main(["fingerprint", path]) == 0
+    assert main(["audit", path, "--deep"]) == 0
+    assert offline_dist.current() is None and not dist.is_initialized()
+    out = capsys.readouterr().out
+    assert out.count("fsdpcheck: OK") == 2 and "w  0x" in out
