@@ -9,6 +9,10 @@ Examples:
     fsdpcheck audit ckpt/ --deep            # chunks tile every tensor, files whole, manifest
     python -m fsdpcheck audit ckpt/         # the same, without the console script
 
+Across processes: torchrun --nproc-per-node 8 -m fsdpcheck compare|fingerprint|audit ... splits
+the reading over the processes (on every node of --nnodes); rank 0 prints the report, every
+process exits with the same code.
+
 Exit codes: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input. Errors are
 one line on stderr (--debug adds the traceback; the exit code stays the same); with --json,
 stdout is valid JSON in every case.
@@ -17,18 +21,22 @@ stdout is valid JSON in every case.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import traceback
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
 
 from fsdpcheck.errors import shown
 from fsdpcheck.report import render
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+#: Commands that split their reading over the processes of a torchrun launch.
+SPREAD = ("compare", "fingerprint", "audit")
+T = TypeVar("T")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,8 +96,14 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         import torch  # noqa: F401  (every command but --help needs it)
 
         gc.freeze()
+    rank = 0
     try:
-        return int(args.run(args))
+        # Under torchrun every process runs the command and rank 0 speaks for them all.
+        with (
+            _launch(args.command) as rank,
+            contextlib.redirect_stdout(None) if rank else contextlib.nullcontext(),
+        ):
+            return int(args.run(args))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -98,13 +112,54 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     except BaseException as exc:
         if isinstance(exc, SystemExit):
             raise
+        if rank and not _lost_rank(exc):
+            return EXIT_USAGE  # rank 0 says it (if it is the one that was lost, everyone does)
         if getattr(args, "debug", False):
             traceback.print_exc()
         message = _one_line(exc)
         print(f"fsdpcheck {args.command}: {message}", file=sys.stderr)
-        if getattr(args, "json", False):
+        if getattr(args, "json", False) and not rank:
             print(json.dumps({"ok": False, "error": message, "exit_code": EXIT_USAGE}))
         return EXIT_USAGE
+
+
+@contextlib.contextmanager
+def _launch(command: str) -> Iterator[int]:
+    """This process's rank: under torchrun, in a session of the launch (`SPREAD` commands)."""
+    from fsdpcheck import offline_dist
+
+    current = offline_dist.current()
+    if current is not None:  # a caller's own session (tests, embedding)
+        yield current.rank
+    elif not offline_dist.launched():
+        yield 0
+    elif command in SPREAD:
+        with offline_dist.session() as s:
+            yield s.rank
+    else:  # the others run whole in every process; rank 0 prints
+        yield int(os.environ["RANK"])
+
+
+def _lost_rank(exc: BaseException) -> bool:
+    """Whether `exc` says a process of the launch stopped (rank 0 may be the one)."""
+    collectives = sys.modules.get("fsdpcheck.collectives")
+    return collectives is not None and isinstance(exc, collectives.RankStoppedError)
+
+
+def _agreed(fn: Callable[[], T]) -> T:
+    """`fn` (a command's work), agreed on by every process of the launch when there is one."""
+    from fsdpcheck import offline_dist
+
+    session = offline_dist.current()
+    return fn() if session is None else session.agreed(fn, _one_line)
+
+
+def _speaker() -> bool:
+    """Whether this process prints (the only one, or rank 0 of a launch)."""
+    from fsdpcheck import offline_dist
+
+    session = offline_dist.current()
+    return session is None or session.rank == 0
 
 
 def _one_line(exc: BaseException) -> str:
@@ -267,14 +322,16 @@ def _info(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     from fsdpcheck.auditing import audit
 
-    return _emit_report(args, audit(args.path, deep=args.deep))
+    return _emit_report(args, _agreed(lambda: audit(args.path, deep=args.deep)))
 
 
 def _fingerprint(args: argparse.Namespace) -> int:
     from fsdpcheck.fingerprints import checkpoint_fingerprints
 
-    fps, notes = checkpoint_fingerprints(
-        args.path, ignore=args.ignore, memory_budget=args.memory_budget
+    fps, notes = _agreed(
+        lambda: checkpoint_fingerprints(
+            args.path, ignore=args.ignore, memory_budget=args.memory_budget
+        )
     )
     if args.json:
         print(json.dumps({k: f"{v:#018x}" for k, v in fps.items()}, indent=1))
@@ -282,27 +339,30 @@ def _fingerprint(args: argparse.Namespace) -> int:
         names = [shown(k) for k in fps]
         width = max((len(n) for n in names), default=0)
         _say([f"{n:{width}s}  {v:#018x}" for n, v in zip(names, fps.values())])
-    _say([f"note: {n}" for n in notes], file=sys.stderr)
+    if _speaker():
+        _say([f"note: {n}" for n in notes], file=sys.stderr)
     return EXIT_OK
 
 
 def _compare(args: argparse.Namespace) -> int:
     from fsdpcheck.comparison import compare_checkpoints
 
-    bar = sys.stderr.isatty() and not args.json
+    bar = sys.stderr.isatty() and not args.json and _speaker()
     from fsdpcheck.matching import prefix_rules
 
-    report = compare_checkpoints(
-        args.actual,
-        args.expected,
-        rtol=args.rtol,
-        atol=args.atol,
-        check_dtype=args.check_dtype,
-        key_map=prefix_rules(args.key_map) if args.key_map else None,
-        ignore=args.ignore,
-        device=args.device,
-        memory_budget=args.memory_budget,
-        progress=_progress_bar() if bar else None,
+    report = _agreed(
+        lambda: compare_checkpoints(
+            args.actual,
+            args.expected,
+            rtol=args.rtol,
+            atol=args.atol,
+            check_dtype=args.check_dtype,
+            key_map=prefix_rules(args.key_map) if args.key_map else None,
+            ignore=args.ignore,
+            device=args.device,
+            memory_budget=args.memory_budget,
+            progress=_progress_bar() if bar else None,
+        )
     )
     if bar:
         print(file=sys.stderr)

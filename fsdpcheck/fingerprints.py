@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsdpcheck import matching
-from fsdpcheck.box import Box
+from fsdpcheck import _collector, matching, offline_dist, ops
 from fsdpcheck.errors import FingerprintError, describe_error
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
@@ -236,38 +235,61 @@ def fingerprint_checkpoint(
 def checkpoint_fingerprints(
     path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
 ) -> tuple[dict[str, int], list[str]]:
-    """``fingerprint_checkpoint`` and notes naming every tensor it did not fingerprint."""
+    """``fingerprint_checkpoint`` and notes naming every tensor it did not fingerprint.
+
+    Under torchrun (``offline_dist``) each process hashes its share of the chunks and the sums
+    are added up across processes: every process returns the same dict.
+    """
     if not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
+    with _collector.paused():  # NOTE: [collector]
+        return _checkpoint_fingerprints(path, ignore, memory_budget)
+
+
+def _checkpoint_fingerprints(
+    path: Any, ignore: Sequence[str] | None, memory_budget: int
+) -> tuple[dict[str, int], list[str]]:
+    session = offline_dist.current()
+    request = None
+    # An open DCP source (audit's, whose metadata is read and checked already) is hashed as it
+    # is here; the other processes of a launch open its path.
+    where = path.path if isinstance(path, Source) and hasattr(path, "path") else path
+    if session is not None and isinstance(where, (str, os.PathLike)):
+        args = (os.fspath(where), tuple(ignore) if ignore else None, memory_budget)
+        request = offline_dist.Request("fingerprint", args)
     source = open_source(path)
     try:
-        refuse_problems(source, source.description, "fingerprint it")
-        keys = checkpoint_keys(source)
-        names: dict[str, str] = {}
-        notes: list[str] = []
-        other = []
-        for r in keys.tensors():
-            if r.role == "other":
-                other.append(r.key)
-            elif matching.is_ignored(ignore, r.name, r.key):
-                notes.append(f"{r.key}: excluded by the user")
-            else:
-                names[r.key] = r.name
-        if other:
-            notes.append(
-                f"{len(other)} training-state tensor(s) not fingerprinted: "
-                + ", ".join(other[:8])
-                + (", ..." if len(other) > 8 else "")
-            )
-        out = _hash_checkpoint(source, names, memory_budget)
-        tied = _manifest_ties(path)
+        world = session.world if session is not None and request is not None else 1
+        job = _HashJob(source, ignore, memory_budget, world)
+        if session is not None and request is not None:
+            sums = session.run(request, job)
+        else:
+            sums = job.measure(range(len(job.work)))
+        out = job.fingerprints(sums)
+        notes = job.notes
+        tied = _manifest_ties(where)
         for dup, first in tied.items():
             if dup in out and first in out and out[dup] == out[first]:
                 del out[dup]  # listed once, as ``fingerprint`` lists a tied parameter
                 notes.append(f"{dup} is tied to {first}: listed once")
     finally:
-        source.close()
+        if source is not path:  # a source the caller opened is the caller's to close
+            source.close()
     return dict(sorted(out.items())), notes
+
+
+def serve_fingerprints(
+    session: offline_dist.Session, path: str, ignore: Sequence[str] | None, memory_budget: int
+) -> _HashJob:
+    """The job of fingerprints another process of the launch asked for (``offline_dist``)."""
+    source = open_source(path)
+    try:
+        job = _HashJob(source, ignore, memory_budget, session.world)
+    except BaseException:
+        source.close()
+        raise
+    job.owns_source = True
+    return job
 
 
 def _manifest_ties(path: Any) -> dict[str, str]:
@@ -278,54 +300,155 @@ def _manifest_ties(path: Any) -> dict[str, str]:
     return manifest.tied if manifest is not None else {}
 
 
-def _hash_checkpoint(source: Source, names: dict[str, str], budget: int) -> dict[str, int]:
-    """Hashes every chunk at its global offset, reading the next batch while this one is hashed.
+#: A region to hash: (name index, checkpoint key, offset, size, elements, bytes, whole tensor).
+_Work = tuple[int, str, tuple[int, ...], tuple[int, ...], int, int, bool]
 
-    Two batches are in flight (NOTE: [prefetch]), so each holds at most half the budget.
+
+@dataclass
+class _Sums:
+    """Per name: the sum of its regions' fingerprints (int64 bits) and their elements."""
+
+    fp: torch.Tensor
+    numel: torch.Tensor
+
+
+class _HashJob:
+    """Every chunk of a checkpoint hashed at its global offset, in row blocks (a plan).
+
+    The plan is each tensor's saved chunks (empty ones skipped) cut into row blocks, the same on
+    every process of a launch (``offline_dist.Job``); `measure` hashes a share of it, reading
+    the next batch while this one is hashed. Two batches are in flight (NOTE: [prefetch]), so
+    each holds at most half the budget. Per region the Python is a tuple; each batch is one
+    operator call and one ``index_add`` (NOTE: [per-key costs] in ``comparison``).
     """
-    entries = source.entries()
-    out: dict[str, int] = {}
-    step = batch_bytes(budget)
-    work: list[tuple[str, Region]] = []
-    for ckpt_key, name in names.items():
-        entry = entries[ckpt_key]
-        if entry.dtype not in SUPPORTED_DTYPES:
-            raise FingerprintError(f"{ckpt_key}: dtype {entry.dtype} cannot be fingerprinted")
-        out[name] = 0
-        itemsize = entry.dtype.itemsize  # type: ignore[union-attr]
-        for offset, size in source.chunks(ckpt_key):
-            if math.prod(size) == 0 and len(size) > 0:
-                continue
-            for off, sz in row_blocks(offset, size, itemsize, step):
-                work.append((ckpt_key, Region(ckpt_key, off, sz)))
 
-    def nbytes(w: tuple[str, Region]) -> int:
-        return w[1].numel * entries[w[0]].dtype.itemsize  # type: ignore[union-attr]
+    def __init__(
+        self, source: Source, ignore: Sequence[str] | None, budget: int, world: int
+    ) -> None:
+        self.source = source
+        self.owns_source = False
+        refuse_problems(source, source.description, "fingerprint it")
+        keys = checkpoint_keys(source)
+        by_key: dict[str, str] = {}
+        self.notes: list[str] = []
+        other = []
+        for r in keys.tensors():
+            if r.role == "other":
+                other.append(r.key)
+            elif matching.is_ignored(ignore, r.name, r.key):
+                self.notes.append(f"{r.key}: excluded by the user")
+            else:
+                by_key[r.key] = r.name
+        if other:
+            self.notes.append(
+                f"{len(other)} training-state tensor(s) not fingerprinted: "
+                + ", ".join(other[:8])
+                + (", ..." if len(other) > 8 else "")
+            )
+        entries = source.entries()
+        self.names: list[str] = []
+        index: dict[str, int] = {}
+        chunks: list[tuple[int, str, tuple[int, ...], tuple[int, ...], int]] = []
+        for ckpt_key, name in by_key.items():
+            entry = entries[ckpt_key]
+            if entry.dtype not in SUPPORTED_DTYPES:
+                raise FingerprintError(f"{ckpt_key}: dtype {entry.dtype} cannot be fingerprinted")
+            i = index.get(name)
+            if i is None:  # two keys of one name add up, as one tensor's chunks do
+                i = index[name] = len(self.names)
+                self.names.append(name)
+            itemsize = entry.dtype.itemsize  # type: ignore[union-attr]
+            for offset, size in source.chunks(ckpt_key):
+                if math.prod(size) == 0 and len(size) > 0:
+                    continue
+                chunks.append((i, ckpt_key, tuple(offset), tuple(size), itemsize))
+        self.shapes = {k: tuple(entries[k].shape) for k in by_key}
+        self.step = batch_bytes(budget)
+        self.piece = offline_dist.piece_bytes(
+            sum(math.prod(size) * item for _, _, _, size, item in chunks), world, self.step
+        )
+        self.work: list[_Work] = []
+        for i, key, offset, size, itemsize in chunks:
+            whole = size == self.shapes[key] and not any(offset)
+            for off, sz in row_blocks(offset, size, itemsize, self.piece):
+                n = math.prod(sz)
+                self.work.append((i, key, off, sz, n, n * itemsize, whole and sz == size))
 
-    plan = ((b, [(source, [r for _, r in b])]) for b in batches(work, nbytes, step))
-    for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
-        _hash_batch(source, batch, tensors, names, out)
-    return out
+    # -- offline_dist.Job --------------------------------------------------------------------
+    def digest(self) -> int:
+        """The plan: the names and every region (key, offset, size), and the cut."""
+        from fsdpcheck.collectives import digest
+
+        return digest((self.piece, self.names, [w[:4] for w in self.work]))
+
+    def sizes(self) -> list[int]:
+        """Bytes of each region."""
+        return [w[5] for w in self.work]
+
+    def measure(self, items: range) -> _Sums:
+        """Hashes the regions `items` of the plan."""
+        n = len(self.names)
+        sums = _Sums(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
+        work = self.work[items.start : items.stop]
+        source = self.source
+        plan = (
+            (b, [(source, [Region(w[1], w[2], w[3]) for w in b])])
+            for b in batches(work, _work_bytes, self.step)
+        )
+        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
+            shapes: list[int] = []
+            offsets: list[int] = []
+            if not all(w[6] for w in batch):
+                for w in batch:
+                    shapes.extend(self.shapes[w[1]])
+                    offsets.extend(w[2])
+            with torch.no_grad():
+                fps = ops.fingerprint_rows(tensors, shapes, offsets).cpu()
+            ids = torch.tensor([w[0] for w in batch], dtype=torch.int64)
+            sums.fp.index_add_(0, ids, fps)  # int64 adds wrap: the sum mod 2**64
+            sums.numel.index_add_(0, ids, torch.tensor([w[4] for w in batch], dtype=torch.int64))
+        return sums
+
+    def combine(self, comm: Any, sums: _Sums) -> _Sums:
+        """Every process's sums added up (``collectives.combine``: one row per name)."""
+        from fsdpcheck.collectives import combine
+        from fsdpcheck.stats import KeyStats
+
+        stats = []
+        for fp, numel in zip(sums.fp.tolist(), sums.numel.tolist()):
+            s = KeyStats()
+            if numel:  # this process hashed part of it: its part counts (no replicas here)
+                s.holders, s.owner, s.box = 1, True, 0
+                s.fp, s.copy_numel = fp & MASK64, numel
+            stats.append(s)
+        combined, _ = combine(comm, stats)
+        return _Sums(
+            torch.tensor([_signed(c.fingerprint or 0) for c in combined], dtype=torch.int64),
+            torch.tensor([c.covered for c in combined], dtype=torch.int64),
+        )
+
+    def close(self) -> None:
+        """Closes the checkpoint when this job opened it (a pass another process asked for)."""
+        if self.owns_source:
+            self.source.close()
+
+    def fingerprints(self, sums: _Sums) -> dict[str, int]:
+        """Name -> Fingerprint v1 (the sums as unsigned 64-bit ints)."""
+        return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
+
+
+def _work_bytes(w: _Work) -> int:
+    return w[5]
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
 
 
 def checkpoint_key_names(source: Source) -> dict[str, str]:
     """Checkpoint key -> the canonical name ``fingerprint`` gives the same tensor."""
     keys = checkpoint_keys(source)
     return {r.key: r.name for r in keys.tensors() if r.role != "other"}
-
-
-def _hash_batch(
-    source: Source,
-    batch: list[tuple[str, Region]],
-    tensors: list[torch.Tensor],
-    names: dict[str, str],
-    out: dict[str, int],
-) -> None:
-    """Adds the fingerprints of one batch of regions (already read) to their keys' sums."""
-    entries = source.entries()
-    boxes = [Box(entries[k].shape, r.offset) for k, r in batch]
-    for (key, _), fp in zip(batch, fingerprint_tensors(tensors, boxes=boxes)):
-        out[names[key]] = (out[names[key]] + fp) & MASK64
 
 
 def fingerprints_differ(expected: Mapping[str, int], actual: Mapping[str, int]) -> list[Finding]:
