@@ -22,6 +22,10 @@ from fsdpcheck.sources import Source, open_source
 
 __all__ = ["open_checked"]
 
+#: Bytes of verdict sent with the broadcast's size word: a sound checkpoint's (a digest per
+#: DCP directory) fits, so opening costs one broadcast; a longer one (findings) takes a second.
+_INLINE = 504
+
 
 def open_checked(comm: Comm, reference: Any) -> Source:
     """Opens `reference` on every rank, its DCP metadata checked by rank 0 alone.
@@ -47,7 +51,7 @@ def open_checked(comm: Comm, reference: Any) -> Source:
             said = ("ok", verdicts.taken())
         except Exception as exc:  # it travels: every rank raises it after the broadcast
             said = ("failed", (type_name(exc), describe_error(exc)))
-    said = comm.broadcast_object(said, 0, "opening the checkpoint")
+    said = comm.broadcast_object(said, 0, "opening the checkpoint", inline=_INLINE)
     status, what = said
     if status == "failed":
         if source is not None:
