@@ -79,8 +79,9 @@ def load(
         optimizer: The optimizer to load too (or a wrapper of several). An optimizer without
             state gets it created first (torch's ``get_optimizer_state_dict``, at lr 0, so no
             weight changes), then overwritten by the load.
-        verify: "fingerprint" (the loaded shards against the manifest: one pass, one gather, no
-            second read of the checkpoint; falls back to "full" without a manifest and says so),
+        verify: "fingerprint" (the loaded shards against the manifest: one pass, a few
+            all-reduces, no second read of the checkpoint; falls back to "full" without a
+            manifest and says so),
             "full" (``fsdpcheck.verify`` against the files) or None.
         expect: "sharded" or "full" to refuse a checkpoint of the other kind before anything is
             loaded (raises CheckpointKindError on every rank).
@@ -487,7 +488,7 @@ def check_against_manifest(
     optimizer: Any = None,
     group: Any = None,
 ) -> Report:
-    """The live state against a manifest: one fingerprint pass and one gather, no file read.
+    """The live state against a manifest: one fingerprint pass, a few all-reduces, no file read.
 
     Collective. Optimizer entries are checked only when `optimizer` is given.
     """
