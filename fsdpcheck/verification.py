@@ -103,7 +103,8 @@ def verify(
             Lightning/accelerate/torch.compile) or a state dict of DTensors, ShardedTensors or
             tensors.
         reference: A checkpoint path of any layout ``fsdpcheck.describe_path`` recognises, an
-            in-memory mapping of full tensors, a full nn.Module, or a list of these read as one.
+            in-memory mapping of full tensors, a full nn.Module, or a list of these read as one;
+            or a Source every rank opened already (``fsdpcheck.opening``; left open).
         optimizer: The optimizer whose state to verify too: a torch optimizer or a wrapper
             (torchtitan OptimizersContainer, Lightning/Fabric, accelerate), or an FQN-keyed
             optimizer state dict.

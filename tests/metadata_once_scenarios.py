@@ -2,8 +2,9 @@
 
 Every scenario counts, on its own rank, the calls of what parses ``.metadata``
 (``dcp_index.read_parsed``; the safe reader's ``read_dcp_metadata``), of the whole-checkpoint
-check (``dcp_index.check``), the opens that trusted another rank's digest, and the saved chunks
-each local piece was cut against (``verification._along_chunks``). They come back under
+check (``dcp_index.check``), the opens that trusted another rank's digest, the saved chunks
+each local piece was cut against (``verification._along_chunks``) and the DTensor layouts worked
+out (``layout._work_out``). They come back under
 "rank_local", next to what every rank must agree on (the report). The checkpoint is saved by 4
 ranks (W = 2 reads one written by more ranks than it has). tests/test_metadata_once.py checks
 them.
@@ -21,33 +22,17 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 import fsdpcheck
-from fsdpcheck import saving, verification
+from fsdpcheck import layout, saving, verification
 from fsdpcheck.sources import dcp, dcp_index, safe_reader
 from fsdpcheck.testing import plant
 from tests.dist_harness import Registry, World
+from tests.scale_scenarios import sharded
 
 REGISTRY = Registry()
 scenario = REGISTRY.scenario
-WORLDS = (2, 4)
-KEYS = 6  # tensors of 4 rows: saved by 4 ranks, each key has 4 chunks
-
-
-class Few(nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        import torch
-
-        torch.manual_seed(seed)
-        self.p = nn.ParameterDict({str(i): nn.Parameter(torch.randn(4, 3)) for i in range(KEYS)})
-
-
-def sharded(seed: int = 0) -> nn.Module:
-    model = Few(seed)
-    fully_shard(model)
-    return model
+WORLDS = (2, 4)  # KEYS tensors of 4 rows: saved by 4 ranks, each key has 4 chunks
 
 
 @dataclass
@@ -93,6 +78,7 @@ def _wrapped(owner: Any, name: str, seen: Callable[..., None]) -> Iterator[None]
 def counted(fn: Callable[[], Any]) -> dict[str, Any]:
     """What `fn` returns (a Report, or the one-line error it raised), and this rank's counts."""
     n: dict[str, Any] = {"parses": 0, "dcp_parses": 0, "checks": 0, "trusted": 0, "cuts": []}
+    n["layouts"] = 0
 
     def parsed(*_: Any, **__: Any) -> None:
         n["parses"] += 1
@@ -106,6 +92,9 @@ def counted(fn: Callable[[], Any]) -> dict[str, Any]:
     def opened(out: Any, *_: Any, trusted_digest: Any = None, **__: Any) -> None:
         n["trusted"] += trusted_digest is not None and out is not None and out[1] is None
 
+    def worked_out(*_: Any, **__: Any) -> None:
+        n["layouts"] += 1
+
     def cut(out: Any, offset: Any, size: Any, saved: Any) -> None:
         n["cuts"].append(len(saved))
 
@@ -118,6 +107,7 @@ def counted(fn: Callable[[], Any]) -> dict[str, Any]:
         stack.enter_context(_wrapped(dcp_index, "check", checked))
         stack.enter_context(_wrapped(dcp, "open_index", opened))
         stack.enter_context(_wrapped(verification, "_along_chunks", cut))
+        stack.enter_context(_wrapped(layout, "_work_out", worked_out))
         try:
             value = fn()
         except Exception as exc:
@@ -140,6 +130,7 @@ def _verify(w: World, path: Path) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------
 @scenario(*WORLDS)
 def verify_clean(w: World) -> Any:
+    layout._PLACED.clear()  # every key's (mesh, placements, shape) worked out afresh
     return _verify(w, w.ckpts["saved"])
 
 

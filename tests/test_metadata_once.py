@@ -4,8 +4,9 @@ Multi-rank (tests/metadata_once_scenarios.py, W = 2 and 4, a checkpoint saved by
 verify or load, ``.metadata`` is parsed once on every rank and checked on rank 0 alone, the
 other ranks trusting its digest; a rank whose bytes differ checks itself and the verdict is the
 same everywhere; a damaged or broken checkpoint gives every rank the same report or the same
-one-line error; each local piece is cut against the chunks it meets only. Single process: load
-parses once, and a key of 16,384 chunks is searched, not scanned. Exact counts, never times.
+one-line error; each local piece is cut against the chunks it meets only; a layout is worked
+out once per (mesh, placements, shape). Single process: load parses once, and a key of 16,384
+chunks is searched, not scanned. Exact counts, never times.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from fsdpcheck.sources import dcp_index, safe_reader
 from fsdpcheck.sources.dcp import DCPSource
 from fsdpcheck.sources.dcp_index import StorageProblems
 from tests.dist_harness import Spawns
-from tests.metadata_once_scenarios import KEYS, WORLDS
+from tests.metadata_once_scenarios import WORLDS
+from tests.scale_scenarios import KEYS
 
 SCENARIOS_MODULE = "tests.metadata_once_scenarios"
 
@@ -55,6 +57,15 @@ def test_metadata_is_parsed_once_and_checked_on_one_rank(case: tuple, spawns: Sp
     assert agreed["ok"] and agreed["findings"] == []
     assert agreed["keys_checked"] == KEYS
     _once(per_rank)
+
+
+@pytest.mark.parametrize("case", _cases("verify_clean"))
+def test_a_layout_is_worked_out_once_per_mesh_placements_and_shape(
+    case: tuple, spawns: Spawns
+) -> None:
+    _, per_rank = _run(spawns, case)
+    # KEYS tensors of one shape, on one mesh, with one placement: worked out once.
+    assert [r["rank_local"]["layouts"] for r in per_rank] == [1] * case[0]
 
 
 @pytest.mark.parametrize("case", _cases("verify_clean", "load_full"))
@@ -102,9 +113,9 @@ def test_what_rank_0_found_is_every_ranks_verdict(case: tuple, spawns: Spawns) -
     agreed, per_rank = _run(spawns, case)
     verified, loaded, path = agreed["verify"], agreed["load"], agreed["path"]
     # Every key has a chunk in the truncated file: each is named, job-wide (no rank).
-    assert [(f[0], f[1], f[2]) for f in verified["findings"]] == [
+    assert [(f[0], f[1], f[2]) for f in verified["findings"]] == sorted(
         (f"p.{i}", "error", None) for i in range(KEYS)
-    ]
+    )
     for f in verified["findings"]:
         assert re.fullmatch(
             r"its data ends at byte \d+ of __1_0.distcp but the file has 10 bytes \(truncated\?\)",
