@@ -549,7 +549,7 @@ def one_rank_differs(w: World) -> Any:
     out["replicas_extra_on_2"] = report(fsdpcheck.check_replicas(sd))
     out["verify_extra_on_2"] = verify(sd, w.ckpts["fsdp4"])
     # verify: reading param_groups fails on rank 1 only.
-    vmod = importlib.import_module("fsdpcheck.opening")  # where verify opens the reference
+    vmod = importlib.import_module("fsdpcheck.verification")
     real = vmod._check_param_groups
 
     def fails_on_1(source: Any, groups: Any) -> Any:
