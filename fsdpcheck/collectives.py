@@ -135,28 +135,40 @@ class Comm:
             raise self._stopped(exc, "all_gather", step) from None
         return [t.cpu().tolist() for t in out]
 
-    def broadcast_object(self, obj: Any, src: int, step: str = "") -> Any:
+    def broadcast_object(self, obj: Any, src: int, step: str = "", inline: int = 0) -> Any:
         """`obj` of rank `src` (a rank of this group) on every rank: its pickle, once.
 
         The ranks are one job running one program: what one rank pickles, the others load.
+        Two broadcasts (the size, then the pickle); one when the pickle fits in `inline`
+        bytes, which then travel with the size whatever the pickle's length.
         """
         if not self.enabled:
             return obj
         root = src if self.group is None else dist.get_global_rank(self.group, src)
         data = pickle.dumps(obj, protocol=4) if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        head = bytearray(8 + inline)
+        head[:8] = len(data).to_bytes(8, "little")
+        if len(data) <= inline:
+            head[8 : 8 + len(data)] = data
+        first = torch.frombuffer(head, dtype=torch.uint8).to(self.device)
         try:
-            self._wait(dist.broadcast(size, src=root, group=self.group, async_op=True))
-            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            if self.rank == src and data:
-                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            self._wait(dist.broadcast(buf, src=root, group=self.group, async_op=True))
+            self._wait(dist.broadcast(first, src=root, group=self.group, async_op=True))
+            got = bytes(first.cpu().numpy())
+            size = int.from_bytes(got[:8], "little")
+            if size <= inline:
+                payload = got[8 : 8 + size]
+            else:
+                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+                if self.rank == src and data:
+                    buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                self._wait(dist.broadcast(buf, src=root, group=self.group, async_op=True))
+                host = buf.cpu()
+                payload = ctypes.string_at(host.data_ptr(), host.numel())
         except RuntimeError as exc:
             raise self._stopped(exc, "broadcast", step) from None
         if self.rank == src:
             return obj
-        host = buf.cpu()
-        return pickle.loads(ctypes.string_at(host.data_ptr(), host.numel()))
+        return pickle.loads(payload)
 
     # -- gloo, polled -----------------------------------------------------------------------
     def _wait(self, work: Any) -> None:

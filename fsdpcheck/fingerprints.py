@@ -128,6 +128,15 @@ def fingerprint_report(
     all-reduced: the fingerprint is the sum of the counted copies (each box once), the replica
     check compares every copy with them.
     """
+    with _collector.paused():  # NOTE: [collector]: objects per key
+        return _fingerprint_report(model_or_state_dict, optimizer, group)
+
+
+def _fingerprint_report(
+    model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
+    optimizer: Any,
+    group: Any,
+) -> FingerprintResult:
     from fsdpcheck.collectives import Comm, combine, gather_findings
     from fsdpcheck.keyset import agree_keys
     from fsdpcheck.layout import local_layout

@@ -16,17 +16,18 @@ from typing import Any, cast
 import torch
 
 from fsdpcheck import matching
-from fsdpcheck.collectives import Comm, agree, digest, distinct
+from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, digest, distinct
 from fsdpcheck.errors import CheckpointError, CheckpointKindError, describe_error, root_cause
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer, model_parts
 from fsdpcheck.manifest import Manifest, read_manifest
+from fsdpcheck.opening import open_checked
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
-from fsdpcheck.sources import Region, Source, open_source, refuse_problems
+from fsdpcheck.sources import Region, Source, refuse_problems
 from fsdpcheck.verification import verify as verify_full
 
 __all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "check_against_manifest", "load"]
@@ -78,8 +79,9 @@ def load(
         optimizer: The optimizer to load too (or a wrapper of several). An optimizer without
             state gets it created first (torch's ``get_optimizer_state_dict``, at lr 0, so no
             weight changes), then overwritten by the load.
-        verify: "fingerprint" (the loaded shards against the manifest: one pass, one gather, no
-            second read of the checkpoint; falls back to "full" without a manifest and says so),
+        verify: "fingerprint" (the loaded shards against the manifest: one pass, a few
+            all-reduces, no second read of the checkpoint; falls back to "full" without a
+            manifest and says so),
             "full" (``fsdpcheck.verify`` against the files) or None.
         expect: "sharded" or "full" to refuse a checkpoint of the other kind before anything is
             loaded (raises CheckpointKindError on every rank).
@@ -101,7 +103,46 @@ def load(
     if expect not in (*CHECKPOINT_KINDS, None):
         raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
     comm = Comm(group)
-    plan = agree(comm, lambda: _preflight(path), f"checking {path} before loading")
+    with cyclic_gc_paused():  # NOTE: [cyclic GC] in ``collectives``: objects per key
+        # One parse of the metadata per rank, checked on rank 0 alone (NOTE: [metadata once
+        # per job] in ``opening``), reused by the pairing, DCP's load and the check after.
+        source = _open(comm, path)
+        try:
+            return _load(comm, model, path, source, optimizer, verify, expect, sentinel,
+                         key_map, group)  # fmt: skip
+        finally:
+            source.close()
+
+
+def _open(comm: Comm, path: str | os.PathLike[str]) -> Source:
+    """The checkpoint opened on every rank (one broadcast), or the same error on every rank."""
+    opened: list[Source] = []
+
+    def open_it() -> Source:
+        opened.append(open_checked(comm, path))
+        return opened[0]
+
+    try:
+        return agree(comm, open_it, f"checking {path} before loading")
+    except BaseException:
+        for s in opened:  # opened here, failed elsewhere
+            s.close()
+        raise
+
+
+def _load(
+    comm: Comm,
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    source: Source,
+    optimizer: Any,
+    verify: str | None,
+    expect: str | None,
+    sentinel: bool,
+    key_map: matching.KeyMap | None,
+    group: Any,
+) -> Report:
+    plan = agree(comm, lambda: _preflight(path, source), f"checking {path} before loading")
     _same_checkpoint(comm, path, plan)
     info = plan.info
     if expect is not None and expect != info.kind:
@@ -118,17 +159,16 @@ def load(
         )
     marked = agree(comm, lambda: fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
     work = agree(
-        comm, lambda: _pair(model, optimizer, info, key_map), f"pairing {path} with the model"
+        comm,
+        lambda: _pair(model, optimizer, info, source, key_map),
+        f"pairing {path} with the model",
     )
-    try:
-        if info.kind == "sharded":
-            _load_dcp(work, group, comm)
-        else:
-            # Reading is local and may fail on one rank: agree on it before torch's collectives.
-            full, osd = agree(comm, lambda: _read_full(work), f"reading {path}")
-            _apply_full(work, full, osd)
-    finally:
-        work.source.close()
+    if info.kind == "sharded":
+        _load_dcp(work, group, comm)
+    else:
+        # Reading is local and may fail on one rank: agree on it before torch's collectives.
+        full, osd = agree(comm, lambda: _read_full(work), f"reading {path}")
+        _apply_full(work, full, osd)
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
     paired_notes, paired_findings, rows = _pairing_everywhere(comm, work.match)
     notes += paired_notes
@@ -143,7 +183,8 @@ def load(
         assert manifest is not None
         report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
     elif verify == "full":
-        report = verify_full(model, path, optimizer=optimizer, key_map=key_map, group=group)
+        report = verify_full(model, source, optimizer=optimizer, key_map=key_map, group=group)
+        report.reference = str(path)
     else:
         report = Report(reference=str(path), world_size=comm.world)
         notes.append("not verified (verify=None)")
@@ -177,9 +218,9 @@ def _pairing_everywhere(
     return notes, findings, []
 
 
-def _preflight(path: str | os.PathLike[str]) -> _Plan:
+def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
     """Recognises the checkpoint and checks its structure; raises on anything wrong."""
-    info = describe_path(path)
+    info = source.parts()[0].checkpoint or describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
     stale = stale_reason(info.path, manifest) if manifest is not None else None
     if stale is not None:  # it describes an earlier save: checked against, it would only mislead
@@ -190,13 +231,9 @@ def _preflight(path: str | os.PathLike[str]) -> _Plan:
             f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
             f"({', '.join(p.name for p in info.parts)}); fsdpcheck cannot load it as one"
         )
-    source = open_source(info.path)
-    try:
-        refuse_problems(source, info.path, "load it (nothing was loaded)")
-        if manifest is not None:
-            _manifest_agrees(manifest, source, info.path)
-    finally:
-        source.close()
+    refuse_problems(source, info.path, "load it (nothing was loaded)")
+    if manifest is not None:
+        _manifest_agrees(manifest, source, info.path)
     return _Plan(info, manifest)
 
 
@@ -270,7 +307,7 @@ class _Work:
     hparams: dict[str, Any]  # the paired param groups' saved hyperparameters, by key
 
 
-def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Work:
+def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_map: Any) -> _Work:
     """The live state (optimizer state created if it has none) paired with the checkpoint."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -280,45 +317,40 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, key_map: Any) -> _Wo
     parts = model_parts(model)
     if parts is None:
         raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
-    source = open_source(info.path)
-    try:
-        keys = checkpoint_keys(source)
-        msds = [get_model_state_dict(p) for p in parts]
-        opts: list[Any] = []
-        osds: list[Any] = []
-        osd = None
-        if optimizer is not None and keys.state:
-            optimizers = inner_optimizers(optimizer)
-            if len(parts) == 1:
-                opts = [optimizers[0] if len(optimizers) == 1 else tuple(optimizers)]
-            elif len(optimizers) == len(parts):
-                opts = list(optimizers)
-            else:
-                raise ValueError(
-                    f"{len(parts)} model parts but {len(optimizers)} optimizers: pass one "
-                    "optimizer per part, in the same order (torchtitan's OptimizersContainer does)"
-                )
-            # Creates the state of an optimizer that has none (a step at lr 0: no weight
-            # changes); the load then overwrites it.
-            osds = [get_optimizer_state_dict(p, o) for p, o in zip(parts, opts)]
-            osd = {
-                "state": {k: v for o in osds for k, v in o["state"].items()},
-                "param_groups": [g for o in osds for g in o["param_groups"]],
-            }
-        live = live_state(parts, osd, model_state=msds)
-        m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
-        raw: dict[str, str] = {}
-        for part, msd in zip(parts, msds):
-            canon = model_canonicalizer(part)
-            raw.update({canon(k): k for k in msd})
-        canon = model_canonicalizer(parts[0]) if len(parts) == 1 else (lambda n: n)
-        raw_param = {canon(str(k)): str(k) for k in (osd or {}).get("state", {})}
-        # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
-        wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
-        hparams = source.read_objects(wanted) if wanted and osd is not None else {}
-    except BaseException:
-        source.close()
-        raise
+    keys = checkpoint_keys(source)
+    msds = [get_model_state_dict(p) for p in parts]
+    opts: list[Any] = []
+    osds: list[Any] = []
+    osd = None
+    if optimizer is not None and keys.state:
+        optimizers = inner_optimizers(optimizer)
+        if len(parts) == 1:
+            opts = [optimizers[0] if len(optimizers) == 1 else tuple(optimizers)]
+        elif len(optimizers) == len(parts):
+            opts = list(optimizers)
+        else:
+            raise ValueError(
+                f"{len(parts)} model parts but {len(optimizers)} optimizers: pass one "
+                "optimizer per part, in the same order (torchtitan's OptimizersContainer does)"
+            )
+        # Creates the state of an optimizer that has none (a step at lr 0: no weight
+        # changes); the load then overwrites it.
+        osds = [get_optimizer_state_dict(p, o) for p, o in zip(parts, opts)]
+        osd = {
+            "state": {k: v for o in osds for k, v in o["state"].items()},
+            "param_groups": [g for o in osds for g in o["param_groups"]],
+        }
+    live = live_state(parts, osd, model_state=msds)
+    m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
+    raw: dict[str, str] = {}
+    for part, msd in zip(parts, msds):
+        canon = model_canonicalizer(part)
+        raw.update({canon(k): k for k in msd})
+    canon = model_canonicalizer(parts[0]) if len(parts) == 1 else (lambda n: n)
+    raw_param = {canon(str(k)): str(k) for k in (osd or {}).get("state", {})}
+    # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
+    wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
+    hparams = source.read_objects(wanted) if wanted and osd is not None else {}
     return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
 
 
@@ -336,6 +368,7 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
         set_optimizer_state_dict,
     )
 
+    from fsdpcheck.sources.dcp import DCPSource
     from fsdpcheck.sources.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 
     parts = w.source.parts()
@@ -347,13 +380,16 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
         if item.key in tied:
             continue  # the same tensor as the parameter it is tied to
         _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
-    for where, state in zip(w.info.parts, states):
+    for i, (where, state) in enumerate(zip(w.info.parts, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
         # from a part still takes part in its collectives).
+        part = parts[i]
+        # The metadata parsed when opening (not read again), checked as it was then.
+        reader = part.dcp_reader() if isinstance(part, DCPSource) else SafeFileSystemReader(where)
         try:
             dcp_load(
                 state,
-                storage_reader=SafeFileSystemReader(where),
+                storage_reader=reader,
                 planner=SafeLoadPlanner(),
                 process_group=group,
                 no_dist=not comm.enabled,
@@ -452,7 +488,7 @@ def check_against_manifest(
     optimizer: Any = None,
     group: Any = None,
 ) -> Report:
-    """The live state against a manifest: one fingerprint pass and one gather, no file read.
+    """The live state against a manifest: one fingerprint pass, a few all-reduces, no file read.
 
     Collective. Optimizer entries are checked only when `optimizer` is given.
     """

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fsdpcheck import _version, matching
-from fsdpcheck.collectives import Comm, agree, distinct
+from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, distinct
 from fsdpcheck.errors import describe_error, root_cause
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.formats import is_dcp_dir
@@ -113,33 +113,34 @@ def save(
             tmp.mkdir(parents=True)
         return _save_state(model, optimizers)
 
-    state = agree(comm, prepare, f"fsdpcheck.save to {given}")
-    _step("scratch made")
-    try:
-        _dcp_save(state, tmp, given, group, comm)
-        _step("state written")
-        fps = fingerprint_report(model, optimizer=optimizer, group=group)
-        # Rank 0 reads what DCP wrote and builds the manifest; the others get it from rank 0
-        # (one broadcast of O(keys)), so it is read once per job and identical everywhere.
-        built = agree(
-            comm,
-            lambda: _saved_manifest(tmp, fps, comm) if comm.rank == 0 else None,
-            "building the manifest",
-        )
-        manifest: Manifest = comm.broadcast_object(built, 0)
+    with cyclic_gc_paused():  # NOTE: [cyclic GC] in ``collectives``: objects per key
+        state = agree(comm, prepare, f"fsdpcheck.save to {given}")
+        _step("scratch made")
+        try:
+            _dcp_save(state, tmp, given, group, comm)
+            _step("state written")
+            fps = fingerprint_report(model, optimizer=optimizer, group=group)
+            # Rank 0 reads what DCP wrote and builds the manifest; the others get it from rank 0
+            # (one broadcast of O(keys)), so it is read once per job and identical everywhere.
+            built = agree(
+                comm,
+                lambda: _saved_manifest(tmp, fps, comm) if comm.rank == 0 else None,
+                "building the manifest",
+            )
+            manifest: Manifest = comm.broadcast_object(built, 0)
 
-        def publish() -> None:
+            def publish() -> None:
+                if comm.rank == 0:
+                    write_manifest(tmp, manifest)
+                    _step("manifest written")
+                    publish_dir(tmp, target)
+
+            agree(comm, publish, f"moving the checkpoint into {given}")
+        except BaseException:
             if comm.rank == 0:
-                write_manifest(tmp, manifest)
-                _step("manifest written")
-                publish_dir(tmp, target)
-
-        agree(comm, publish, f"moving the checkpoint into {given}")
-    except BaseException:
-        if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return manifest
 
 
 def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, comm: Comm) -> None:

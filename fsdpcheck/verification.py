@@ -41,9 +41,10 @@ from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.keyset import KeySet, agree_keys
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState, live_state
+from fsdpcheck.opening import open_checked
 from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, normalized
-from fsdpcheck.sources import Region, Source, checkpoint_notes, open_source
+from fsdpcheck.sources import Region, Source, checkpoint_notes
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.stats import KeyStats
@@ -102,7 +103,8 @@ def verify(
             Lightning/accelerate/torch.compile) or a state dict of DTensors, ShardedTensors or
             tensors.
         reference: A checkpoint path of any layout ``fsdpcheck.describe_path`` recognises, an
-            in-memory mapping of full tensors, a full nn.Module, or a list of these read as one.
+            in-memory mapping of full tensors, a full nn.Module, or a list of these read as one;
+            or a Source every rank opened already (``fsdpcheck.opening``; left open).
         optimizer: The optimizer whose state to verify too: a torch optimizer or a wrapper
             (torchtitan OptimizersContainer, Lightning/Fabric, accelerate), or an FQN-keyed
             optimizer state dict.
@@ -132,17 +134,22 @@ def verify(
     with cyclic_gc_paused():
         try:
             live = live_state(model, optimizer)
-            source = open_source(reference)
-            ckpt = checkpoint_keys(source)
         except Exception as exc:  # whatever happens here, every rank reaches the agreement below
             error = describe_error(exc)
+        try:
+            # Every rank takes part (one broadcast): rank 0 checks the metadata, the others
+            # trust its verdict (NOTE: [metadata once per job] in ``opening``).
+            source = open_checked(comm, reference)
+            ckpt = checkpoint_keys(source)
+        except Exception as exc:
+            error = error or describe_error(exc)
         try:
             return _verify(
                 comm, t0, live, source, ckpt, error, reference,
                 _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
             )  # fmt: skip
         finally:
-            if source is not None:
+            if source is not None and source is not reference:  # a source given stays open
                 source.close()
 
 
@@ -392,7 +399,6 @@ def _compare_values(
         assert entry.dtype is not None
         tol = tolerance(lay.dtype, entry.dtype, s.rtol, s.atol)
         elsize = entry.dtype.itemsize
-        saved = p.source.chunks(item.ckpt_key)
         for piece in lay.pieces:
             stats[i].holders = 1
             assert piece.box.offset is not None
@@ -400,6 +406,7 @@ def _compare_values(
             dev = piece.tensor.device
             mine = batches.setdefault(dev, [])
             p_size = tuple(piece.tensor.shape)
+            saved = p.source.chunks_overlapping(item.ckpt_key, p_off, p_size)
             for part_off, part_size in _along_chunks(p_off, p_size, saved):
                 for off, size in row_blocks(part_off, part_size, elsize, step):
                     actual, box = piece.tensor, piece.box
@@ -521,15 +528,14 @@ def _along_chunks(
     mapped DCP chunk) instead of assembling it from several. When the chunks do not tile the
     piece (a gap or an overlap in a damaged checkpoint), the piece is returned whole, so that
     reading it raises the coverage error the report names.
+
+    `saved` is the chunks meeting the piece (``Source.chunks_overlapping``: found by bisection,
+    so a piece meets the few chunks it overlaps, not every chunk of a key saved by W ranks);
+    any others would cut nothing.
     """
     piece = (offset, size)
     if len(saved) <= 1:  # the chunk holds the piece, or reading it names what is missing
         return [piece]
-    if offset:
-        # Only chunks meeting the piece's rows are intersected: a cheap test per saved chunk
-        # (a key saved by W ranks has W chunks) before the exact one.
-        lo, hi = offset[0], offset[0] + size[0]
-        saved = [c for c in saved if c[0][0] < hi and c[0][0] + c[1][0] > lo]
     parts = [c for c in (intersect(piece, (tuple(o), tuple(s))) for o, s in saved) if c]
     # Volumes adding up to the piece's and no part of it uncovered: the parts are disjoint.
     if (

@@ -32,9 +32,9 @@ class ReplicaWatch:
     Collective: every rank of `group` calls ``step()`` once per training step, after the
     optimizer step, the same number of times (ranks that call it a different number of times
     would wait for each other). On the steps it checks, each rank fingerprints its local shards
-    (model, and optimizer state when given) in one fused pass and the ranks exchange one small
-    gather of (key, box, fingerprint) rows; nothing is gathered or copied, and nothing it reads
-    is changed.
+    (model, and optimizer state when given) in one fused pass and the ranks all-reduce one row
+    per key (O(keys) bytes per rank at any world size; NOTE: [bytes per rank] in
+    ``collectives``); no tensor is gathered or copied, and nothing it reads is changed.
 
     Example::
 
@@ -107,9 +107,10 @@ def verify_resumed(
     """Checks what a trainer loaded from `checkpoint` into the model (and optimizer).
 
     Collective. With an fsdpcheck manifest in the checkpoint directory, this is ``load``'s
-    fingerprint check: one fused pass over every rank's shards and one gather, no second read
-    of the checkpoint. Without one, it is ``fsdpcheck.verify`` against the checkpoint's files
-    (every element, each rank reading only the chunks overlapping its shards).
+    fingerprint check: one fused pass over every rank's shards and a few all-reduces of one row
+    per key, no second read of the checkpoint. Without one, it is ``fsdpcheck.verify`` against
+    the checkpoint's files (every element, each rank reading only the chunks overlapping its
+    shards, the metadata checked once per job).
 
     Args:
         model: The model after the trainer's load.

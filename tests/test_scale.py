@@ -149,8 +149,8 @@ def test_the_counter_counts_bytes_received(spawns: Spawns) -> None:
 # pairing (1), combines (4: the tie-break rounds run since the compared keys have maxima) and
 # gathers the local findings (1); a fingerprint pass has no maxima, so 2 rounds fewer.
 PINNED = {
-    "verify": {"all_reduce": 7},
-    "verify, a planted element": {"all_reduce": 7},
+    "verify": {"all_reduce": 7, "broadcast": 1},
+    "verify, a planted element": {"all_reduce": 7, "broadcast": 1},
     "fingerprint": {"all_reduce": 4},
     "check_replicas": {"all_reduce": 4},
     "ReplicaWatch.step": {"all_reduce": 4},

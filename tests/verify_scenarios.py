@@ -479,7 +479,7 @@ def one_rank_fails(w: World) -> Any:
     from unittest import mock
 
     b = w.base
-    vmod = importlib.import_module("fsdpcheck.verification")
+    vmod = importlib.import_module("fsdpcheck.opening")  # where verify opens the reference
     ckmod = importlib.import_module("fsdpcheck.loading")
 
     def unreadable(*_: Any) -> Any:

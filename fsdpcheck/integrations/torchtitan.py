@@ -162,12 +162,12 @@ def save_manifests(checkpointer: Any, *, group: Any = None) -> Any:
     """Makes ``checkpointer.save`` write fsdpcheck's manifest into every ``step-N`` it writes.
 
     Wraps the instance's ``save``: after a save that wrote a step folder, every rank
-    fingerprints its shards (one fused pass, one gather) and rank 0 writes
-    ``step-N/fsdpcheck_manifest.json`` (key -> fingerprint, shape, dtype, checkpoint key), so
-    ``verify_after_load``, ``fsdpcheck.load``, ``fsdpcheck audit`` and ``fsdpcheck inspect``
-    check against it. The last-step export (model only, ``export_dtype``, maybe Hugging Face
-    format) is not a resume checkpoint and gets no manifest. With async checkpointing the
-    manifest write waits for that save to finish.
+    fingerprints its shards (one fused pass; the rows all-reduced, O(keys) bytes per rank) and
+    rank 0 writes ``step-N/fsdpcheck_manifest.json`` (key -> fingerprint, shape, dtype,
+    checkpoint key), so ``verify_after_load``, ``fsdpcheck.load``, ``fsdpcheck audit`` and
+    ``fsdpcheck inspect`` check against it. The last-step export (model only,
+    ``export_dtype``, maybe Hugging Face format) is not a resume checkpoint and gets no
+    manifest. With async checkpointing the manifest write waits for that save to finish.
 
     Returns:
         The checkpointer (its ``save`` wrapped once; a second call changes nothing).

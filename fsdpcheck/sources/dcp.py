@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import io
 import itertools
 import math
@@ -76,19 +77,35 @@ class DCPSource(Source):
         path: The checkpoint directory.
         trusted_digest: The `metadata_digest` of this checkpoint as another process opened
             and checked it.
+        trusted_check: What that process's check found (its `storage_problems`): when the
+            digest matches, this source reports it as its own, so that every process reaches
+            the same verdict (None: nothing found, or not known).
     """
 
     kind = "dcp"
     is_sharded = True
 
-    def __init__(self, path: str | os.PathLike[str], *, trusted_digest: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        trusted_digest: str | None = None,
+        trusted_check: StorageProblems | None = None,
+    ) -> None:
         self.path = Path(path)
         self.description = f"DCP checkpoint {self.path}"
+        verdicts = _VERDICTS.get()
+        if trusted_digest is None and verdicts is not None:
+            trusted_digest, trusted_check = verdicts.next()
         self._index, self._check = open_index(self.path, trusted_digest=trusted_digest)
         #: sha256 (hex) of the ``.metadata`` bytes this source parsed.
         self.metadata_digest = self._index.digest
         #: Whether the whole checkpoint was checked when opening (False: a trusted digest).
         self.validated = self._check is not None
+        if not self.validated:
+            self._check = trusted_check
+        if verdicts is not None:
+            verdicts.made.append(self)
         idx = self._index
         self._entries: dict[str, Entry] = {}
         for k, key in enumerate(idx.keys):
@@ -111,6 +128,16 @@ class DCPSource(Source):
     def entries(self) -> dict[str, Entry]:
         """Every key of the checkpoint's metadata."""
         return self._entries
+
+    def dcp_reader(self) -> Any:
+        """A new `SafeFileSystemReader` for ``dcp.load`` over the metadata parsed here.
+
+        Its ``read_metadata`` hands DCP the parsed metadata (``.metadata`` is not read again)
+        and its set-up refuses what the opening check found instead of checking again.
+        """
+        from fsdpcheck.sources.safe_reader import SafeFileSystemReader
+
+        return SafeFileSystemReader.from_index(self._index, self._bad_position)
 
     @property
     def index(self) -> DcpIndex:
@@ -425,6 +452,48 @@ class DCPSource(Source):
         plan = self._reader.prepare_local_plan(LoadPlan(reads))
         plan = self._reader.prepare_global_plan([plan])[0]
         self._reader.read_data(plan, planner).wait()  # type: ignore[arg-type]
+
+
+class Verdicts:
+    """The DCP sources opened in a block, and the verdicts they take in order (`trusting`)."""
+
+    def __init__(self, given: Sequence[tuple[str, StorageProblems | None]] | None) -> None:
+        self.given = list(given) if given is not None else None
+        self.made: list[DCPSource] = []
+
+    def next(self) -> tuple[str | None, StorageProblems | None]:
+        """The verdict of the next source opened (None, None: it checks itself)."""
+        if self.given is None or len(self.made) >= len(self.given):
+            return None, None
+        return self.given[len(self.made)]
+
+    def taken(self) -> list[tuple[str, StorageProblems | None]]:
+        """(digest, what its check found) of each source opened, in order."""
+        return [(s.metadata_digest, s.storage_problems) for s in self.made]
+
+
+_VERDICTS: contextvars.ContextVar[Verdicts | None] = contextvars.ContextVar(
+    "fsdpcheck_dcp_verdicts", default=None
+)
+
+
+@contextlib.contextmanager
+def trusting(
+    given: Sequence[tuple[str, StorageProblems | None]] | None = None,
+) -> Iterator[Verdicts]:
+    """Every `DCPSource` opened inside takes the next of `given` as its trusted verdict.
+
+    For opening a reference of any kind once per job (``fsdpcheck.opening``): the process that
+    checked opens it with `given` None and reads back what each of its DCP sources found
+    (`Verdicts.taken`); the others open the same reference with those verdicts, in the same
+    order. A source whose bytes hash differently checks itself.
+    """
+    verdicts = Verdicts(given)
+    token = _VERDICTS.set(verdicts)
+    try:
+        yield verdicts
+    finally:
+        _VERDICTS.reset(token)
 
 
 #: Keys saved as one chunk, for the regions of one read (`DcpIndex.singles`).

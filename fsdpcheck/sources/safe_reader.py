@@ -107,6 +107,7 @@ class SafeFileSystemReader(FileSystemReader):
         self._checked: StorageCheck | None = None
         self._bad: Callable[[str, tuple[int, ...] | None], str | None] | None = None
         self._chunk_bytes: Callable[[str, tuple[int, ...]], int | None] | None = None
+        self._index: DcpIndex | None = None
 
     @classmethod
     def from_index(
@@ -124,14 +125,28 @@ class SafeFileSystemReader(FileSystemReader):
         reader.storage_data = storage  # type: ignore[assignment]  # a Mapping serves DCP
         reader._bad = bad
         reader._chunk_bytes = storage.chunk_bytes
+        reader._index = index
         return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's metadata (DCP's classes), read with the restricted unpickler."""
+        """The checkpoint's metadata (DCP's classes), read with the restricted unpickler.
+
+        A reader made `from_index` unpickles nothing: DCP gets the parsed metadata, each
+        key's objects made when DCP looks it up (`_IndexMetadata`).
+        """
         del args
         rank = kwargs.get("rank")
-        data = self._data if rank is None else None
-        md = read_dcp_metadata(self.root, rank, dcp_classes=True, data=data)
+        if self._index is not None and rank is None:
+            md = self._metadata
+            if md is None:
+                md = Metadata(
+                    state_dict_metadata=_IndexMetadata(self._index),  # type: ignore[arg-type]
+                    planner_data=self._index.paths,
+                    storage_data=self.storage_data,
+                )
+        else:
+            data = self._data if rank is None else None
+            md = read_dcp_metadata(self.root, rank, dcp_classes=True, data=data)
         self._metadata = md
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
@@ -141,9 +156,13 @@ class SafeFileSystemReader(FileSystemReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        """As torch's, plus the storage check (paths, files, sizes) of every entry."""
+        """As torch's, plus the storage check (paths, files, sizes) of every entry.
+
+        A reader made `from_index` refuses what the opener's check found instead (`bad`).
+        """
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._checked = check_storage(self.root, metadata)
+        if self._index is None or metadata is not self._metadata:
+            self._checked = check_storage(self.root, metadata)
 
     @property
     def storage_check(self) -> StorageCheck:
@@ -311,6 +330,57 @@ class _IndexStorage(Mapping[Any, Any]):
 
     def __len__(self) -> int:
         return int(self.index.entry_where.shape[0])
+
+
+class _IndexMetadata(Mapping[str, Any]):
+    """``state_dict_metadata`` for DCP's planner: a key's objects made when it is looked up.
+
+    DCP's load planner looks up the keys of the state dict it loads (and lists every key);
+    only those get DCP's objects, one per chunk, made from the columns (and kept).
+    """
+
+    def __init__(self, index: DcpIndex) -> None:
+        self.index = index
+        self.made: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        made = self.made.get(key)
+        if made is not None:
+            return made
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        idx = self.index
+        k = idx.key_id[key]
+        md: Any
+        if idx.tensor[k]:
+            dtype = idx.dtypes[k]
+            assert dtype is not None
+            md = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype),
+                size=torch.Size(idx.shapes[k]),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n))
+                    for o, n in idx.chunks(key)
+                ],
+            )
+        else:
+            md = BytesStorageMetadata()
+        self.made[key] = md
+        return md
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index.key_id
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index.keys)
+
+    def __len__(self) -> int:
+        return len(self.index.keys)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
