@@ -185,7 +185,7 @@ def _audit_manifest(
             f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save){unchecked}"
         )
         return
-    stale = stale_reason(p, manifest)
+    stale = stale_reason(p, manifest, {p: source.metadata_digest})
     if stale is not None:  # its entries describe another save: comparing them only misleads
         findings.append(Finding(prefix + MANIFEST_NAME, "error", stale))
         return

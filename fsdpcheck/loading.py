@@ -220,9 +220,16 @@ def _pairing_everywhere(
 
 def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
     """Recognises the checkpoint and checks its structure; raises on anything wrong."""
+    from fsdpcheck.sources.dcp import DCPSource
+
     info = source.parts()[0].checkpoint or describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
-    stale = stale_reason(info.path, manifest) if manifest is not None else None
+    digests = {
+        Path(part.path): part.metadata_digest
+        for part in source.parts()
+        if isinstance(part, DCPSource)
+    }
+    stale = stale_reason(info.path, manifest, digests) if manifest is not None else None
     if stale is not None:  # it describes an earlier save: checked against, it would only mislead
         info.notes.append(f"{stale}; not used")
         manifest = None

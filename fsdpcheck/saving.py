@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -323,7 +323,9 @@ def dcp_saves(root: Path, parts: list[Path]) -> dict[str, SaveIdentity]:
     return out
 
 
-def stale_reason(folder: str | os.PathLike[str], manifest: Manifest) -> str | None:
+def stale_reason(
+    folder: str | os.PathLike[str], manifest: Manifest, digests: Mapping[Path, str] | None = None
+) -> str | None:
     """Why the manifest belongs to an earlier save than the checkpoint beside it, or None.
 
     A DCP save writes a new save id into ``.metadata``; a manifest that names another one was
@@ -331,11 +333,15 @@ def stale_reason(folder: str | os.PathLike[str], manifest: Manifest) -> str | No
     ``fsdpcheck.save`` wrote before): its shapes and fingerprints describe that save, and
     mismatches against it say nothing about this one. A ``.metadata`` changed some other way
     (damaged, edited) keeps its save id: that is for the structure checks to report.
+
+    `digests` holds the sha256 of ``.metadata`` folders already read (``DCPSource``'s
+    ``metadata_digest``), so that a 150 MB ``.metadata`` is not hashed a second time.
     """
     for rel, want in sorted(manifest.saves.items()):
         d = Path(folder) / rel
         try:
-            if sha256_of(d / METADATA_FILE) == want.metadata_sha256:
+            known = (digests or {}).get(d) or (digests or {}).get(d.resolve())
+            if (known or sha256_of(d / METADATA_FILE)) == want.metadata_sha256:
                 continue
             have = _save_id(d)
         except (OSError, ValueError):  # unreadable or gone: the structure checks say so

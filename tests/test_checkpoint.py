@@ -431,6 +431,24 @@ def test_a_manifest_of_an_earlier_save_is_called_stale_not_a_mismatch(tmp_path):
     assert fsdpcheck.fingerprint(m2, optimizer=opt2) == fsdpcheck.fingerprint(m1, optimizer=opt1)
 
 
+def test_the_staleness_check_reuses_the_digest_of_the_metadata_it_read(tmp_path, monkeypatch):
+    """audit and load hash ``.metadata`` once (when they parse it), not again for the manifest."""
+    from fsdpcheck import saving
+
+    ck = _dcp(tmp_path)
+    hashed: list[str] = []
+    real = saving.sha256_of
+    monkeypatch.setattr(saving, "sha256_of", lambda p: hashed.append(str(p)) or real(p))
+    assert fsdpcheck.audit(ck, deep=True).ok
+    m, opt = small_model(seed=3)
+    assert fsdpcheck.load(m, ck, optimizer=opt).ok
+    assert hashed == []
+    _resave_with_dcp(ck, seed=1)  # a later save: the digest differs and the save id is read
+    r = fsdpcheck.audit(ck)
+    assert r.findings[0].message.startswith("the manifest is stale"), str(r)
+    assert hashed == []
+
+
 def test_a_damaged_metadata_is_not_called_stale(tmp_path):
     ck = _dcp(tmp_path)
     _damage_metadata_gap(ck)  # .metadata rewritten, same save id
