@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per entry, a million in large checkpoints
 class CkptKey:
     """One checkpoint entry with its role.
 
@@ -89,6 +89,10 @@ class CheckpointKeys:
     def tensors(self) -> list[CkptKey]:
         """Every tensor entry."""
         return [r for r in self.rows if r.entry.is_tensor]
+
+    def tensor_count(self) -> int:
+        """How many tensor entries (without listing them)."""
+        return sum(1 for r in self.rows if r.entry.is_tensor)
 
     def by_name(self) -> dict[str, CkptKey]:
         """Canonical name -> key, for the tensors (model and optimizer state and other)."""

@@ -196,7 +196,7 @@ class Entry:
     is_tensor: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a batch holds thousands
 class Region:
     """A box of a reference tensor to read: per-dim offset and size."""
 
