@@ -183,7 +183,8 @@ class Entry:
         key: The checkpoint's own key (what its files call it).
         path: The key as a structural path, e.g. ``("model", "layers.0.w")`` or
             ``("optim", "state", "layers.0.w", "exp_avg")``; used to tell model, optimizer state
-            and param_groups entries apart without guessing at dots inside FQNs.
+            and param_groups entries apart without guessing at dots inside FQNs. Empty for a
+            format with no nesting (safetensors), whose key is its one component.
         shape: Global shape (tensors only).
         dtype: Dtype (tensors only).
         is_tensor: False for non-tensor objects (hyperparameters, lists).
