@@ -290,7 +290,8 @@ class _CompareJob:
         converted: dict[tuple[str, str, float, float], int] = {}
         tolerances: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
         placeholders = ka.placeholders or kb.placeholders
-        for name, a, b in m.pairs:
+        for pair in m.pairs:
+            name, a, b = pair.name, pair.a, pair.b
             ea, eb = a.entry, b.entry
             if name in bad:
                 skipped[name] = "storage problem"
