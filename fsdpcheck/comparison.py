@@ -36,7 +36,7 @@ from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.kernels import SUPPORTED_DTYPES
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.readplan import row_blocks
-from fsdpcheck.report import Finding, Report, normalized
+from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Region, Source, open_source
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
 from fsdpcheck.stats import KeyStats
@@ -156,10 +156,12 @@ def serve_compare(
 def _open_both(actual: Any, expected: Any) -> tuple[Source, Source]:
     sa = open_source(actual)
     try:
-        return sa, open_source(expected)
+        sb = open_source(expected)
     except BaseException:
         sa.close()
         raise
+    sb.share_names(sa)  # NOTE: [compare memory]
+    return sa, sb
 
 
 def _request(
@@ -253,7 +255,8 @@ class _CompareJob:
     the plan is columns: a list per field of the pairs (strings, shapes and dtypes shared with
     the sources), three int64 arrays for the row blocks (pair, elements, bytes) and the offset
     and size of the few blocks that are not a whole tensor; the keys and the pairing are
-    dropped once the plan is made, and batches are ranges of block numbers.
+    dropped once the plan is made, and batches are ranges of block numbers. The expected
+    side holds the names both sides have as the actual side's strings (``share_names``).
     """
 
     def __init__(
@@ -272,7 +275,7 @@ class _CompareJob:
         kb = checkpoint_keys(sb)
         m = matching.match_checkpoints(
             ka, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map,
-            ignore=s.ignore,
+            ignore=s.ignore, pair_rows=False,
         )  # fmt: skip
         self.skeleton = Report(
             reference=sb.description, world_size=1, notes=list(m.notes), side_a="actual",
@@ -284,7 +287,6 @@ class _CompareJob:
         bad = _problem_keys(sa, ka, "actual", findings) | _problem_keys(
             sb, kb, "expected", findings
         )
-        skipped: dict[str, str] = {}  # name -> why, for the mapping rows
         self.pairs = _Pairs()
         self.bytes_read = 0
         converted: dict[tuple[str, str, float, float], int] = {}
@@ -294,24 +296,25 @@ class _CompareJob:
             name, a, b = pair.name, pair.a, pair.b
             ea, eb = a.entry, b.entry
             if name in bad:
-                skipped[name] = "storage problem"
+                self.rows.append(MappingRow(name, b.key, "skipped", "storage problem"))
                 continue
             held = placeholders and (ka.placeholders.get(a.key) or kb.placeholders.get(b.key))
             if held:
                 findings.append(Finding(name, "skipped", held))
-                skipped[name] = "a placeholder"
+                self.rows.append(MappingRow(name, b.key, "skipped", "a placeholder"))
                 continue
             if ea.shape != eb.shape:
                 findings.append(
                     Finding(name, "shape", f"{ea.shape} in actual, {eb.shape} in expected")
                 )
+                self.rows.append(MappingRow(name, b.key, "compared"))
                 continue
             da, db = ea.dtype, eb.dtype
             if da not in SUPPORTED_DTYPES or db not in SUPPORTED_DTYPES:
                 findings.append(
                     Finding(name, "skipped", f"{da} / {db} cannot be compared element-wise")
                 )
-                skipped[name] = "unsupported dtype"
+                self.rows.append(MappingRow(name, b.key, "skipped", "unsupported dtype"))
                 continue
             assert da is not None and db is not None
             tol = tolerances.get((da, db))
@@ -329,10 +332,6 @@ class _CompareJob:
             self.pairs.add(name, a.key, b.key, shape, da, db, tol)
             self.bytes_read += numel * (da.itemsize + db.itemsize)
         del ka, kb, m  # NOTE: [compare memory]
-        if skipped:
-            for row in self.rows:
-                if row.status == "compared" and row.a in skipped:
-                    row.status, row.reason = "skipped", skipped[row.a]
         self.findings = findings
         for (na, nb, rt, at), n in sorted(converted.items()):
             given = s.rtol is not None or s.atol is not None
@@ -503,7 +502,10 @@ class _CompareJob:
         report.elements_checked = tally.elements()
         report.bytes_read = self.bytes_read
         report.keys_checked = len(self.pairs)
-        report.mapping = self.rows
+        # The compared pairs' rows are made now, from the columns (NOTE: [compare memory]).
+        rows = self.rows + [MappingRow(n, k, "compared") for n, k in zip(p.names, p.keys_b)]
+        rows.sort(key=matching.row_order)
+        report.mapping = rows
         report.findings = normalized(findings)
         report.seconds = time.perf_counter() - t0
         return report

@@ -22,9 +22,8 @@ if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
 
 
-@dataclass(frozen=True, slots=True)  # slots: one per entry, a million in large checkpoints
 class CkptKey:
-    """One checkpoint entry with its role.
+    """One checkpoint entry with its role (immutable).
 
     Attributes:
         entry: The source's entry (its own key, structural path, shape, dtype).
@@ -37,24 +36,90 @@ class CkptKey:
             torchtitan's flattened per-parameter hyperparameters.
         item: The state or hyperparameter name.
         optimizer: Index of the optimizer when a checkpoint holds a list of them.
-        raw: For state and group: the parameter or group as the checkpoint spells it (before
-            canonicalisation), to address the checkpoint in its own names.
+        raw: For model, state and group: the name, parameter or group as the checkpoint spells
+            it (before canonicalisation), to address the checkpoint in its own names.
         container: The top-level container the entry sits in ("" when flat).
+
+    NOTE: [per-key rows] One row per entry, a million in large checkpoints: the fields that are
+    empty for most rows (a model tensor whose raw name is its name, in no container) are held
+    as one tuple only when one of them is not, so a row is four slots (64 bytes), not eight.
     """
+
+    __slots__ = ("_rest", "entry", "name", "role")
 
     entry: Entry
     role: str
     name: str
-    fqn: str = ""
-    item: str = ""
-    optimizer: int = 0
-    raw: str = ""
-    container: str = ""
+    _rest: tuple[str, str, int, str, str] | None
+
+    def __init__(
+        self,
+        entry: Entry,
+        role: str,
+        name: str,
+        fqn: str = "",
+        item: str = "",
+        optimizer: int = 0,
+        raw: str = "",
+        container: str = "",
+    ) -> None:
+        plain = not fqn and not item and not optimizer and not container
+        plain = plain and raw == (name if role == "model" else "")
+        object.__setattr__(self, "entry", entry)
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "_rest", None if plain else (fqn, item, optimizer, raw, container))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CkptKey is immutable (cannot set {name})")
+
+    @property
+    def fqn(self) -> str:
+        """See the class docstring."""
+        return self._rest[0] if self._rest else ""
+
+    @property
+    def item(self) -> str:
+        """See the class docstring."""
+        return self._rest[1] if self._rest else ""
+
+    @property
+    def optimizer(self) -> int:
+        """See the class docstring."""
+        return self._rest[2] if self._rest else 0
+
+    @property
+    def raw(self) -> str:
+        """See the class docstring."""
+        if self._rest:
+            return self._rest[3]
+        return self.name if self.role == "model" else ""
+
+    @property
+    def container(self) -> str:
+        """See the class docstring."""
+        return self._rest[4] if self._rest else ""
 
     @property
     def key(self) -> str:
         """The checkpoint's own key."""
         return self.entry.key
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.entry, self.role, self.name, self.fqn, self.item, self.optimizer, self.raw,
+                self.container)  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CkptKey):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        names = ("entry", "role", "name", "fqn", "item", "optimizer", "raw", "container")
+        return "CkptKey(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
 @dataclass

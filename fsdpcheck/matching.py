@@ -68,6 +68,7 @@ __all__ = [
     "non_tensor_note",
     "prefix_pair",
     "prefix_rules",
+    "row_order",
 ]
 
 
@@ -276,6 +277,7 @@ class _Options:
     words: Words
     b_keys: CheckpointKeys
     b_all: CheckpointKeys  # every entry of side B, to look a key_map's target up by name
+    pair_rows: bool = True  # whether the pairs' own rows are made (compare makes them later)
     _by_key: dict[str, CkptKey] | None = None
     _by_name: dict[str, CkptKey] | None = None
 
@@ -347,8 +349,13 @@ def _pair(a: Side, b: Side, opt: _Options) -> _Result:
         )
         _one_sided_state(lone, lone is a, opt, out, used, kind, holder, other)
     _leftovers(a, b, opt, out, used)
-    out.rows.sort(key=lambda r: r.a or r.b or "")
+    out.rows.sort(key=row_order)
     return out
+
+
+def row_order(row: MappingRow) -> tuple[str, bool]:
+    """How mapping rows are sorted: by name, a side-A row before a side-B-only row of it."""
+    return (row.a or row.b or "", row.a is None)
 
 
 def _user_mapped(opt: _Options, name: str) -> bool:
@@ -445,7 +452,8 @@ def _add(
         return
     used.add(target.key)
     out.pairs.append(Pair(key, fqn, value, target, is_state))
-    out.rows.append(MappingRow(key, target.key, status, reason))
+    if opt.pair_rows:
+        out.rows.append(MappingRow(key, target.key, status, reason))
 
 
 def _leftovers(a: Side, b: Side, opt: _Options, out: _Result, used: set[str]) -> None:
@@ -553,6 +561,7 @@ def match_checkpoints(
     read_b: ReadObjects | None = None,
     key_map: KeyMap | None = None,
     ignore: Sequence[str] | None = None,
+    pair_rows: bool = True,
 ) -> PairMatch:
     """Pairs the tensors of two checkpoints (`a` actual, `b` expected): every tensor lands.
 
@@ -563,6 +572,9 @@ def match_checkpoints(
         read_b: The same for `b`.
         key_map: Actual's name -> expected's key or name (None: not compared), or prefix rules.
         ignore: fnmatch patterns of names (or either side's keys) to exclude.
+        pair_rows: Whether `rows` holds the pairs' rows too; without, the caller makes them
+            (``MappingRow(pair.name, pair.b.key, "compared")``) when it needs them, and sorts
+            with `row_order` (a million pairs: ~70 MB less while pairing).
     """
     notes: list[str] = []
     sa, sb = _file_side(a), _file_side(b)
@@ -586,7 +598,7 @@ def match_checkpoints(
             f"{label}: optimizer state keyed by integer ids, mapped to the other side's "
             "parameter names in param_groups order"
         )
-    opt = _Options(key_map, ignore, _FILES, b, b)
+    opt = _Options(key_map, ignore, _FILES, b, b, pair_rows)
     res = _pair(sa, sb, opt)
     for side, keys in (("actual", a), ("expected", b)):
         note = non_tensor_note(keys, side)

@@ -347,6 +347,13 @@ class Source(ABC):
         """Several non-tensor entries (sources that can batch the reads override this)."""
         return {k: self.read_object(k) for k in keys}
 
+    def share_names(self, other: Source) -> None:  # noqa: B027 - optional hook
+        """Holds the keys `other` holds too as `other`'s string objects (optional).
+
+        For a caller that keeps two sources of the same model open (compare): their names are
+        then kept once, not once per side.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases files (optional)."""
 
