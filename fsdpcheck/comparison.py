@@ -291,14 +291,21 @@ class _CompareJob:
         self.bytes_read = 0
         converted: dict[tuple[str, str, float, float], int] = {}
         tolerances: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
-        placeholders = ka.placeholders or kb.placeholders
-        for pair in m.pairs:
+        held_a, held_b = ka.placeholders, kb.placeholders
+        placeholders = held_a or held_b
+        # The pairs are turned into columns one by one, each dropped once used, and the keys'
+        # maps before (NOTE: [compare memory]): the columns grow as the rows go.
+        pairs = m.pairs
+        pairs.reverse()
+        del ka, kb, m
+        while pairs:
+            pair = pairs.pop()
             name, a, b = pair.name, pair.a, pair.b
             ea, eb = a.entry, b.entry
             if name in bad:
                 self.rows.append(MappingRow(name, b.key, "skipped", "storage problem"))
                 continue
-            held = placeholders and (ka.placeholders.get(a.key) or kb.placeholders.get(b.key))
+            held = placeholders and (held_a.get(a.key) or held_b.get(b.key))
             if held:
                 findings.append(Finding(name, "skipped", held))
                 self.rows.append(MappingRow(name, b.key, "skipped", "a placeholder"))
@@ -331,7 +338,6 @@ class _CompareJob:
                 raise ValueError(f"{name}: a global shape {shape} of 2**63 elements or more")
             self.pairs.add(name, a.key, b.key, shape, da, db, tol)
             self.bytes_read += numel * (da.itemsize + db.itemsize)
-        del ka, kb, m  # NOTE: [compare memory]
         self.findings = findings
         for (na, nb, rt, at), n in sorted(converted.items()):
             given = s.rtol is not None or s.atol is not None
