@@ -384,49 +384,63 @@ def _progress_bar() -> Callable[[int, int], None]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from fsdpcheck.inspection import inspect_checkpoint
+    from fsdpcheck.inspection import inspecting
 
-    info = inspect_checkpoint(args.path)
-    # Problems (a file missing, a tensor past its file's end) are findings: exit 1, as audit.
-    code = EXIT_FINDINGS if info["problems"] else EXIT_OK
-    if args.json:
-        print(json.dumps(info, indent=1))
-        return code
-    out = [f"{args.path}: {info['format']}", f"layout: {info['layout']} ({info['kind']})"]
-    m = info["manifest"]
-    if m:
+    # The tensors are printed as they are made (NOTE: [inspect memory] in inspection.py).
+    with inspecting(args.path) as (info, tensors, count):
+        # Problems (a file missing, a tensor past its file's end) are findings: exit 1, as audit.
+        code = EXIT_FINDINGS if info["problems"] else EXIT_OK
+        if args.json:
+            head, tail = json.dumps(info, indent=1).split(json.dumps(info["tensors"]))
+            sys.stdout.write(head + ("[" if count else "[]"))
+            sep = "\n"
+            for t in tensors():
+                text = json.dumps(t, indent=1).replace("\n", "\n  ")
+                sys.stdout.write(f"{sep}  {text}")
+                sep = ",\n"
+            print(("\n ]" if count else "") + tail)
+            return code
+        out = [f"{args.path}: {info['format']}", f"layout: {info['layout']} ({info['kind']})"]
+        m = info["manifest"]
+        if m:
+            out.append(
+                f"  manifest: format v{m['format_version']}, saved on {m['world_size']} rank(s), "
+                f"torch {m['torch']}, fsdpcheck {m['fsdpcheck']}"
+            )
+        else:
+            out.append("  manifest: none (not saved with fsdpcheck.save)")
+        ids = " (keyed by integer ids)" if info["optimizer_ids"] else ""
         out.append(
-            f"  manifest: format v{m['format_version']}, saved on {m['world_size']} rank(s), "
-            f"torch {m['torch']}, fsdpcheck {m['fsdpcheck']}"
+            f"  {count} tensors, {info['elements']:,} elements, "
+            f"{info['bytes'] / 1e6:,.1f} MB: {info['model_tensors']} model tensor(s), optimizer "
+            f"state for {info['optimizer_params']} parameter(s){ids} "
+            f"({info['optimizer_tensors']} tensors), {info['param_groups']} param group(s)"
         )
-    else:
-        out.append("  manifest: none (not saved with fsdpcheck.save)")
-    ids = " (keyed by integer ids)" if info["optimizer_ids"] else ""
-    out.append(
-        f"  {len(info['tensors'])} tensors, {info['elements']:,} elements, "
-        f"{info['bytes'] / 1e6:,.1f} MB: {info['model_tensors']} model tensor(s), optimizer "
-        f"state for {info['optimizer_params']} parameter(s){ids} "
-        f"({info['optimizer_tensors']} tensors), {info['param_groups']} param group(s)"
-    )
-    if info["other"]:
-        other = ", ".join(info["other"][:8]) + (", ..." if len(info["other"]) > 8 else "")
-        out.append(f"  {len(info['other'])} training-state entries (not model/optimizer): {other}")
-    out += [f"  note: {n}" for n in info["notes"]]
-    out += [f"  [{p['kind']}] {p['key']}: {p['message']}" for p in info["problems"]]
-    tensors = info["tensors"]
-    keys = [shown(t["key"]) for t in tensors]
-    width = max((len(k) for k in keys), default=3)
-    if args.show_mapping:
-        out.append(f"  {'checkpoint key':{width}s}  {'role':6s}  name")
-        out += [f"  {k:{width}s}  {t['role']:6s}  {t['name']}" for k, t in zip(keys, tensors)]
-    else:
-        out.append(f"  {'key':{width}s}  {'shape':>18s}  {'dtype':9s}  {'chunks':>6s}  coverage")
-        out += [
-            f"  {k:{width}s}  {tuple(t['shape'])!s:>18s}  {t['dtype']:9s}  "
-            f"{t['chunks']:6d}  {t['coverage']}"
-            for k, t in zip(keys, tensors)
-        ]
-    _say(out)
+        if info["other"]:
+            other = ", ".join(info["other"][:8]) + (", ..." if len(info["other"]) > 8 else "")
+            out.append(
+                f"  {len(info['other'])} training-state entries (not model/optimizer): {other}"
+            )
+        out += [f"  note: {n}" for n in info["notes"]]
+        out += [f"  [{p['kind']}] {p['key']}: {p['message']}" for p in info["problems"]]
+        width = max((len(shown(t["key"])) for t in tensors()), default=3)
+        if args.show_mapping:
+            out.append(f"  {'checkpoint key':{width}s}  {'role':6s}  name")
+            line = lambda t: f"  {shown(t['key']):{width}s}  {t['role']:6s}  {t['name']}"  # noqa: E731
+        else:
+            out.append(
+                f"  {'key':{width}s}  {'shape':>18s}  {'dtype':9s}  {'chunks':>6s}  coverage"
+            )
+            line = lambda t: (  # noqa: E731
+                f"  {shown(t['key']):{width}s}  {tuple(t['shape'])!s:>18s}  {t['dtype']:9s}  "
+                f"{t['chunks']:6d}  {t['coverage']}"
+            )
+        for t in tensors():
+            out.append(line(t))
+            if len(out) >= 4096:
+                _say(out)
+                out = []
+        _say(out)
     return code
 
 

@@ -24,6 +24,7 @@ import math
 import os
 import pickle
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,10 +35,10 @@ from fsdpcheck import _collector, matching, offline_dist, ops
 from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.kernels import SUPPORTED_DTYPES
 from fsdpcheck.keys import checkpoint_keys
-from fsdpcheck.readplan import batches, row_blocks
+from fsdpcheck.readplan import row_blocks
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Region, Source, open_source
-from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
 from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import tolerance
 
@@ -122,7 +123,7 @@ def _compare_checkpoints(
         if session is not None and request is not None:
             tally = session.run(request, job)
         else:
-            tally = job.measure(range(len(job.blocks)))
+            tally = job.measure(range(len(job.block_bytes)))
         report = job.report(tally, t0)
         for side, info in zip(("actual", "expected"), infos):
             report.notes += [f"{side}: {n}" for n in (info.notes if info else [])]
@@ -155,10 +156,12 @@ def serve_compare(
 def _open_both(actual: Any, expected: Any) -> tuple[Source, Source]:
     sa = open_source(actual)
     try:
-        return sa, open_source(expected)
+        sb = open_source(expected)
     except BaseException:
         sa.close()
         raise
+    sb.share_names(sa)  # NOTE: [compare memory]
+    return sa, sb
 
 
 def _request(
@@ -195,22 +198,51 @@ class _Settings:
     ignore: Sequence[str] | None
 
 
-@dataclass(frozen=True)
-class _Pair:
-    """A pair that is compared: its name, each side's key and dtype, the shape, tolerances."""
+class _Pairs:
+    """The compared pairs as columns, one list per field (NOTE: [compare memory]).
 
-    name: str
-    key_a: str
-    key_b: str
-    shape: tuple[int, ...]
-    dtype_a: torch.dtype
-    dtype_b: torch.dtype
-    tol: tuple[float, float]
+    Attributes:
+        names: Canonical name of each pair.
+        keys_a: Actual's own key.
+        keys_b: Expected's own key.
+        shapes: The global shape (both sides' shapes are equal, or it is not a pair).
+        dtypes_a: Actual's dtype.
+        dtypes_b: Expected's dtype.
+        tols: (rtol, atol) used (one tuple per dtype pair, shared).
+    """
 
+    __slots__ = ("dtypes_a", "dtypes_b", "keys_a", "keys_b", "names", "shapes", "tols")
 
-#: A row block of a compared pair: (pair, offset, size, elements, bytes of both sides, whether
-#: it is the whole tensor, so that its box is implied).
-_Block = tuple[int, tuple[int, ...], tuple[int, ...], int, int, bool]
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.keys_a: list[str] = []
+        self.keys_b: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes_a: list[torch.dtype] = []
+        self.dtypes_b: list[torch.dtype] = []
+        self.tols: list[tuple[float, float]] = []
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def add(
+        self,
+        name: str,
+        key_a: str,
+        key_b: str,
+        shape: tuple[int, ...],
+        da: torch.dtype,
+        db: torch.dtype,
+        tol: tuple[float, float],
+    ) -> None:
+        """Appends one pair."""
+        self.names.append(name)
+        self.keys_a.append(key_a)
+        self.keys_b.append(key_b)
+        self.shapes.append(shape)
+        self.dtypes_a.append(da)
+        self.dtypes_b.append(db)
+        self.tols.append(tol)
 
 
 class _CompareJob:
@@ -218,6 +250,13 @@ class _CompareJob:
 
     The plan depends on the two checkpoints' metadata, the settings and the number of processes
     only, so every process of a launch computes the same one (``offline_dist.Job``).
+
+    NOTE: [compare memory] At a million tensors every object kept per tensor costs ~100 MB, so
+    the plan is columns: a list per field of the pairs (strings, shapes and dtypes shared with
+    the sources), three int64 arrays for the row blocks (pair, elements, bytes) and the offset
+    and size of the few blocks that are not a whole tensor; the keys and the pairing are
+    dropped once the plan is made, and batches are ranges of block numbers. The expected
+    side holds the names both sides have as the actual side's strings (``share_names``).
     """
 
     def __init__(
@@ -236,44 +275,53 @@ class _CompareJob:
         kb = checkpoint_keys(sb)
         m = matching.match_checkpoints(
             ka, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map,
-            ignore=s.ignore,
+            ignore=s.ignore, pair_rows=False,
         )  # fmt: skip
         self.skeleton = Report(
             reference=sb.description, world_size=1, notes=list(m.notes), side_a="actual",
             side_b="expected",
         )  # fmt: skip
-        self.skeleton.keys_a, self.skeleton.keys_b = len(ka.tensors()), len(kb.tensors())
+        self.skeleton.keys_a, self.skeleton.keys_b = ka.tensor_count(), kb.tensor_count()
         self.rows = m.rows
         findings: list[Finding] = list(m.findings)
         bad = _problem_keys(sa, ka, "actual", findings) | _problem_keys(
             sb, kb, "expected", findings
         )
-        status = {r.a: r for r in self.rows if r.status == "compared"}
-        self.pairs: list[_Pair] = []
+        self.pairs = _Pairs()
         self.bytes_read = 0
         converted: dict[tuple[str, str, float, float], int] = {}
         tolerances: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
-        for name, a, b in m.pairs:
+        held_a, held_b = ka.placeholders, kb.placeholders
+        placeholders = held_a or held_b
+        # The pairs are turned into columns one by one, each dropped once used, and the keys'
+        # maps before (NOTE: [compare memory]): the columns grow as the rows go.
+        pairs = m.pairs
+        pairs.reverse()
+        del ka, kb, m
+        while pairs:
+            pair = pairs.pop()
+            name, a, b = pair.name, pair.a, pair.b
             ea, eb = a.entry, b.entry
             if name in bad:
-                _skip(status, name, "storage problem")
+                self.rows.append(MappingRow(name, b.key, "skipped", "storage problem"))
                 continue
-            held = ka.placeholders.get(a.key) or kb.placeholders.get(b.key)
-            if held is not None:
+            held = placeholders and (held_a.get(a.key) or held_b.get(b.key))
+            if held:
                 findings.append(Finding(name, "skipped", held))
-                _skip(status, name, "a placeholder")
+                self.rows.append(MappingRow(name, b.key, "skipped", "a placeholder"))
                 continue
             if ea.shape != eb.shape:
                 findings.append(
                     Finding(name, "shape", f"{ea.shape} in actual, {eb.shape} in expected")
                 )
+                self.rows.append(MappingRow(name, b.key, "compared"))
                 continue
             da, db = ea.dtype, eb.dtype
             if da not in SUPPORTED_DTYPES or db not in SUPPORTED_DTYPES:
                 findings.append(
                     Finding(name, "skipped", f"{da} / {db} cannot be compared element-wise")
                 )
-                _skip(status, name, "unsupported dtype")
+                self.rows.append(MappingRow(name, b.key, "skipped", "unsupported dtype"))
                 continue
             assert da is not None and db is not None
             tol = tolerances.get((da, db))
@@ -284,11 +332,12 @@ class _CompareJob:
                     findings.append(Finding(name, "dtype", f"{da} in actual, {db} in expected"))
                 what = (_dtype_name(da), _dtype_name(db), *tol)
                 converted[what] = converted.get(what, 0) + 1
-            shape = tuple(ea.shape)
-            if math.prod(shape) >= 1 << 63:
+            shape = ea.shape
+            numel = math.prod(shape)
+            if numel >= 1 << 63:
                 raise ValueError(f"{name}: a global shape {shape} of 2**63 elements or more")
-            self.pairs.append(_Pair(name, a.key, b.key, shape, da, db, tol))
-            self.bytes_read += _nbytes(ea) + _nbytes(eb)
+            self.pairs.add(name, a.key, b.key, shape, da, db, tol)
+            self.bytes_read += numel * (da.itemsize + db.itemsize)
         self.findings = findings
         for (na, nb, rt, at), n in sorted(converted.items()):
             given = s.rtol is not None or s.atol is not None
@@ -308,63 +357,88 @@ class _CompareJob:
         # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
         # Two batches are in flight, so each holds at most half the budget (both sides).
         self.step = batch_bytes(budget)
-        total = sum(
-            math.prod(p.shape) * (p.dtype_a.itemsize + p.dtype_b.itemsize) for p in self.pairs
-        )
+        p = self.pairs
+        both = [da.itemsize + db.itemsize for da, db in zip(p.dtypes_a, p.dtypes_b)]
+        total = sum(math.prod(shape) * n for shape, n in zip(p.shapes, both))
         self.piece = offline_dist.piece_bytes(total, world, self.step)
-        self.blocks: list[_Block] = []
-        for i, p in enumerate(self.pairs):
-            both = p.dtype_a.itemsize + p.dtype_b.itemsize
-            numel = math.prod(p.shape)
-            if numel * both <= self.piece or not p.shape or p.shape[0] <= 1:
-                self.blocks.append((i, (0,) * len(p.shape), p.shape, numel, numel * both, True))
+        #: Per block: its pair, elements and bytes (both sides); `cut` holds (offset, size) of
+        #: the blocks that are not their whole tensor (whose box is implied).
+        self.block_pair = array("q")
+        self.block_numel = array("q")
+        self.block_bytes = array("q")
+        self.cut: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for i, (shape, width) in enumerate(zip(p.shapes, both)):
+            numel = math.prod(shape)
+            if numel * width <= self.piece or not shape or shape[0] <= 1:
+                self.block_pair.append(i)
+                self.block_numel.append(numel)
+                self.block_bytes.append(numel * width)
                 continue
-            for off, size in row_blocks((0,) * len(p.shape), p.shape, both, self.piece):
+            for off, size in row_blocks((0,) * len(shape), shape, width, self.piece):
                 n = math.prod(size)
-                self.blocks.append((i, off, size, n, n * both, False))
+                self.cut[len(self.block_pair)] = (off, size)
+                self.block_pair.append(i)
+                self.block_numel.append(n)
+                self.block_bytes.append(n * width)
 
     # -- offline_dist.Job --------------------------------------------------------------------
     def digest(self) -> int:
         """The plan: every compared pair (names, keys, shapes, dtypes, tolerances), the cut."""
         from fsdpcheck.collectives import digest
 
+        p = self.pairs
         return digest(
             (
                 self.piece,
                 len(self.findings),
                 [
-                    (p.name, p.key_a, p.key_b, p.shape, str(p.dtype_a), str(p.dtype_b), p.tol)
-                    for p in self.pairs
+                    (n, ka, kb, shape, str(da), str(db), tol)
+                    for n, ka, kb, shape, da, db, tol in zip(
+                        p.names, p.keys_a, p.keys_b, p.shapes, p.dtypes_a, p.dtypes_b, p.tols
+                    )
                 ],
             )
         )
 
-    def sizes(self) -> list[int]:
+    def sizes(self) -> Sequence[int]:
         """Bytes of each block (both sides)."""
-        return [b[4] for b in self.blocks]
+        return self.block_bytes
+
+    def _regions(self, batch: range, keys: list[str]) -> list[Region]:
+        pair, shapes, cut = self.block_pair, self.pairs.shapes, self.cut
+        out = []
+        for j in batch:
+            i = pair[j]
+            box = cut.get(j)
+            if box is None:
+                shape = shapes[i]
+                out.append(Region(keys[i], (0,) * len(shape), shape))
+            else:
+                out.append(Region(keys[i], *box))
+        return out
 
     def measure(self, items: range) -> _Tally:
         """Compares the blocks `items` of the plan (reading them, two batches in flight)."""
         tally = _Tally(len(self.pairs))
-        blocks = self.blocks[items.start : items.stop]
-        total, done = sum(b[4] for b in blocks), 0
-        pairs = self.pairs
+        sizes = self.block_bytes
+        total, done = sum(sizes[items.start : items.stop]), 0
         plan = (
             (
                 batch,
                 [
-                    (self.sa, [Region(pairs[b[0]].key_a, b[1], b[2]) for b in batch]),
-                    (self.sb, [Region(pairs[b[0]].key_b, b[1], b[2]) for b in batch]),
+                    (self.sa, self._regions(batch, self.pairs.keys_a)),
+                    (self.sb, self._regions(batch, self.pairs.keys_b)),
                 ],
             )
-            for batch in batches(blocks, _block_bytes, self.step)
+            for batch in batch_ranges(sizes, items, self.step)
         )
         for batch, (xa, xb) in Prefetcher(self.dev).run(plan):
             table = self._compare(batch, xa, xb)
-            ids = torch.tensor([b[0] for b in batch], dtype=torch.int64)
-            numel = torch.tensor([b[3] for b in batch], dtype=torch.int64)
+            a, b = batch.start, batch.stop
+            ids = torch.tensor(self.block_pair[a:b], dtype=torch.int64)
+            numel = torch.tensor(self.block_numel[a:b], dtype=torch.int64)
             tally.add(ids, numel, table)
-            done += sum(b[4] for b in batch)
+            done += sum(sizes[a:b])
             if self.progress is not None:
                 self.progress(done, total)
         return tally
@@ -384,15 +458,16 @@ class _CompareJob:
 
     # -- the comparison -----------------------------------------------------------------------
     def _compare(
-        self, batch: list[_Block], xa: list[torch.Tensor], xb: list[torch.Tensor]
+        self, batch: range, xa: list[torch.Tensor], xb: list[torch.Tensor]
     ) -> torch.Tensor:
         """The operator's rows for a batch (one call per tolerance), on the CPU, in order.
 
         NOTE: [one read-back] in kernels: every call is queued before any result is read.
         """
+        pair, tols = self.block_pair, self.pairs.tols
         groups: dict[tuple[float, float], list[int]] = {}
-        for j, b in enumerate(batch):
-            groups.setdefault(self.pairs[b[0]].tol, []).append(j)
+        for j in batch:
+            groups.setdefault(tols[pair[j]], []).append(j - batch.start)
         tables = []
         for (rt, at), idx in groups.items():
             one = len(groups) == 1
@@ -400,10 +475,12 @@ class _CompareJob:
             e = xb if one else [xb[j] for j in idx]
             shapes: list[int] = []
             offsets: list[int] = []
-            if not all(b[5] for b in batch) and not all(batch[j][5] for j in idx):
+            if self.cut and any(batch.start + j in self.cut for j in idx):
                 for j in idx:
-                    shapes.extend(self.pairs[batch[j][0]].shape)
-                    offsets.extend(batch[j][1])
+                    shape = self.pairs.shapes[pair[batch.start + j]]
+                    box = self.cut.get(batch.start + j)
+                    shapes.extend(shape)
+                    offsets.extend(box[0] if box is not None else (0,) * len(shape))
             with torch.no_grad():
                 tables.append(
                     ops.compare_rows(a, e, shapes, offsets, rt, at, self.s.equal_nan, False, True)
@@ -419,24 +496,25 @@ class _CompareJob:
         """The report from the (combined) tally: value findings for the pairs that differ."""
         report = self.skeleton
         findings = list(self.findings)
+        p = self.pairs
         for i in tally.mismatched():
-            p = self.pairs[i]
-            rt, at = p.tol
-            f = Finding.value(p.name, tally.stats(i), p.shape, rtol=rt, atol=at, with_ranks=False)
+            rt, at = p.tols[i]
+            f = Finding.value(
+                p.names[i], tally.stats(i), p.shapes[i], rtol=rt, atol=at, with_ranks=False
+            )
             f.message = f.message.replace("on the checked side", "in actual")
             f.message = f.message.replace("in the reference", "in expected")
             findings.append(f)
         report.elements_checked = tally.elements()
         report.bytes_read = self.bytes_read
         report.keys_checked = len(self.pairs)
-        report.mapping = self.rows
+        # The compared pairs' rows are made now, from the columns (NOTE: [compare memory]).
+        rows = self.rows + [MappingRow(n, k, "compared") for n, k in zip(p.names, p.keys_b)]
+        rows.sort(key=matching.row_order)
+        report.mapping = rows
         report.findings = normalized(findings)
         report.seconds = time.perf_counter() - t0
         return report
-
-
-def _block_bytes(b: _Block) -> int:
-    return b[4]
 
 
 # Columns of an operator row summed per pair (after the elements, which the plan knows), and
@@ -558,24 +636,17 @@ def _describe(reference: Any) -> CheckpointInfo | None:
     return describe_path(reference) if isinstance(reference, (str, os.PathLike)) else None
 
 
-def _skip(status: dict[str | None, MappingRow], name: str, reason: str) -> None:
-    row = status.get(name)
-    if row is not None:
-        row.status, row.reason = "skipped", reason
-
-
 def _problem_keys(
     source: Source, keys: matching.CheckpointKeys, side: str, findings: list[Finding]
 ) -> set[str]:
     """Storage problems as findings (named by canonical name); the names they make unreadable."""
+    problems = source.problems()
+    if not problems:
+        return set()
     names = {r.key: r.name for r in keys.rows}
     bad = set()
-    for key, kind, message in source.problems():
+    for key, kind, message in problems:
         name = names.get(key, key)
         findings.append(Finding(name, kind if kind == "gap" else "error", f"{side}: {message}"))
         bad.add(name)
     return bad
-
-
-def _nbytes(e: Any) -> int:
-    return (e.dtype.itemsize if e.dtype is not None else 0) * math.prod(e.shape)

@@ -22,10 +22,10 @@ from fsdpcheck.errors import FingerprintError, describe_error
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.readplan import batches, row_blocks
+from fsdpcheck.readplan import row_blocks
 from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.sources import Region, Source, open_source, refuse_problems
-from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
 
 if TYPE_CHECKING:
     from fsdpcheck.layout import Layout, Meta
@@ -398,11 +398,11 @@ class _HashJob:
         """Hashes the regions `items` of the plan."""
         n = len(self.names)
         sums = _Sums(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
-        work = self.work[items.start : items.stop]
+        work = self.work
         source = self.source
         plan = (
             (b, [(source, [Region(w[1], w[2], w[3]) for w in b])])
-            for b in batches(work, _work_bytes, self.step)
+            for b in (work[r.start : r.stop] for r in batch_ranges(self.sizes(), items, self.step))
         )
         for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
             shapes: list[int] = []
@@ -444,10 +444,6 @@ class _HashJob:
     def fingerprints(self, sums: _Sums) -> dict[str, int]:
         """Name -> Fingerprint v1 (the sums as unsigned 64-bit ints)."""
         return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
-
-
-def _work_bytes(w: _Work) -> int:
-    return w[5]
 
 
 def _signed(u: int) -> int:

@@ -22,9 +22,8 @@ if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
 
 
-@dataclass(frozen=True)
 class CkptKey:
-    """One checkpoint entry with its role.
+    """One checkpoint entry with its role (immutable).
 
     Attributes:
         entry: The source's entry (its own key, structural path, shape, dtype).
@@ -37,24 +36,90 @@ class CkptKey:
             torchtitan's flattened per-parameter hyperparameters.
         item: The state or hyperparameter name.
         optimizer: Index of the optimizer when a checkpoint holds a list of them.
-        raw: For state and group: the parameter or group as the checkpoint spells it (before
-            canonicalisation), to address the checkpoint in its own names.
+        raw: For model, state and group: the name, parameter or group as the checkpoint spells
+            it (before canonicalisation), to address the checkpoint in its own names.
         container: The top-level container the entry sits in ("" when flat).
+
+    NOTE: [per-key rows] One row per entry, a million in large checkpoints: the fields that are
+    empty for most rows (a model tensor whose raw name is its name, in no container) are held
+    as one tuple only when one of them is not, so a row is four slots (64 bytes), not eight.
     """
+
+    __slots__ = ("_rest", "entry", "name", "role")
 
     entry: Entry
     role: str
     name: str
-    fqn: str = ""
-    item: str = ""
-    optimizer: int = 0
-    raw: str = ""
-    container: str = ""
+    _rest: tuple[str, str, int, str, str] | None
+
+    def __init__(
+        self,
+        entry: Entry,
+        role: str,
+        name: str,
+        fqn: str = "",
+        item: str = "",
+        optimizer: int = 0,
+        raw: str = "",
+        container: str = "",
+    ) -> None:
+        plain = not fqn and not item and not optimizer and not container
+        plain = plain and raw == (name if role == "model" else "")
+        object.__setattr__(self, "entry", entry)
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "_rest", None if plain else (fqn, item, optimizer, raw, container))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CkptKey is immutable (cannot set {name})")
+
+    @property
+    def fqn(self) -> str:
+        """See the class docstring."""
+        return self._rest[0] if self._rest else ""
+
+    @property
+    def item(self) -> str:
+        """See the class docstring."""
+        return self._rest[1] if self._rest else ""
+
+    @property
+    def optimizer(self) -> int:
+        """See the class docstring."""
+        return self._rest[2] if self._rest else 0
+
+    @property
+    def raw(self) -> str:
+        """See the class docstring."""
+        if self._rest:
+            return self._rest[3]
+        return self.name if self.role == "model" else ""
+
+    @property
+    def container(self) -> str:
+        """See the class docstring."""
+        return self._rest[4] if self._rest else ""
 
     @property
     def key(self) -> str:
         """The checkpoint's own key."""
         return self.entry.key
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.entry, self.role, self.name, self.fqn, self.item, self.optimizer, self.raw,
+                self.container)  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CkptKey):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        names = ("entry", "role", "name", "fqn", "item", "optimizer", "raw", "container")
+        return "CkptKey(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields())) + ")"
 
 
 @dataclass
@@ -89,6 +154,10 @@ class CheckpointKeys:
     def tensors(self) -> list[CkptKey]:
         """Every tensor entry."""
         return [r for r in self.rows if r.entry.is_tensor]
+
+    def tensor_count(self) -> int:
+        """How many tensor entries (without listing them)."""
+        return sum(1 for r in self.rows if r.entry.is_tensor)
 
     def by_name(self) -> dict[str, CkptKey]:
         """Canonical name -> key, for the tensors (model and optimizer state and other)."""
@@ -160,19 +229,29 @@ def keys_from_entries(
             state and hyperparameters; anything else is training state) or "any".
     """
     out = CheckpointKeys(adapter=role == "adapter")
-    paths = {e.key: ((e.key,) if flat else e.path) for e in entries.values()}
+
+    # NOTE: [per-key rows] A flat name is its own one-component path: made when needed, not
+    # kept in a map of tuples; model entries are gathered as two lists (entry, raw name), not a
+    # tuple each (a million safetensors entries: ~170 bytes a key less at the peak).
+    def path_of(e: Entry) -> tuple[str, ...]:
+        return (e.key,) if flat else e.path
+
     containers = grammar.model_containers
-    has_model_container = any(len(p) > 1 and p[0] in containers for p in paths.values())
-    model_raw: list[tuple[Entry, str]] = []
+    has_model_container = not flat and any(
+        len(e.path) > 1 and e.path[0] in containers for e in entries.values()
+    )
+    model_entries: list[Entry] = []
+    model_raw: list[str] = []
     state_raw: list[tuple[Entry, str, str, int]] = []
     group_raw: list[tuple[Entry, str, str, int]] = []
     for key in sorted(entries):
         e = entries[key]
-        p = paths[e.key]
+        p = path_of(e)
         if role in ("model", "adapter"):
             if e.is_tensor:
                 inner = p[1:] if len(p) > 1 and p[0] in containers else p
-                model_raw.append((e, ".".join(inner)))
+                model_entries.append(e)
+                model_raw.append(".".join(inner))
             else:
                 out.other.append(CkptKey(e, "other", e.key))
             continue
@@ -183,25 +262,26 @@ def keys_from_entries(
         elif role == "optimizer":
             out.other.append(CkptKey(e, "other", e.key))
         elif len(p) > 1 and p[0] in containers:
-            model_raw.append((e, ".".join(p[1:])))
+            model_entries.append(e)
+            model_raw.append(".".join(p[1:]))
         elif len(p) == 1 and not has_model_container and e.is_tensor:
-            model_raw.append((e, p[0]))
+            model_entries.append(e)
+            model_raw.append(p[0])
         else:
             out.other.append(CkptKey(e, "other", e.key))
-    canon = canonicalizer(
-        [n for _, n in model_raw] or [w for _, w, _, _ in state_raw], grammar.wrapper_prefixes
-    )
-    for e, raw in model_raw:
+    canon = canonicalizer(model_raw or [w for _, w, _, _ in state_raw], grammar.wrapper_prefixes)
+    for e, raw in zip(model_entries, model_raw):
         name = canon(raw)
-        row = CkptKey(e, "model", name, raw=raw, container=grammar.top(paths[e.key]))
+        row = CkptKey(e, "model", name, raw=raw, container=grammar.top(path_of(e)))
         if e.is_tensor:
             out.model[name] = row
         out.rows.append(row)
+    del model_entries, model_raw
     whos = {w for _, w, _, _ in state_raw}
     out.id_keyed = bool(whos) and all(w.isdigit() for w in whos)
     for e, who, item, index in state_raw:
         fqn = who if out.id_keyed else canon(who)
-        top = grammar.top(paths[e.key])
+        top = grammar.top(path_of(e))
         row = CkptKey(e, "state", optim_key(fqn, item), fqn, item, index, who, top)
         out.state[(fqn, item)] = row
         out.rows.append(row)
@@ -209,7 +289,7 @@ def keys_from_entries(
     out.groups_by_fqn = bool(gids) and not all(g.isdigit() for g in gids)
     for e, who, item, index in group_raw:
         g = who if not out.groups_by_fqn else canon(who)
-        top = grammar.top(paths[e.key])
+        top = grammar.top(path_of(e))
         row = CkptKey(e, "group", group_key(g, item), g, item, index, who, top)
         out.groups.setdefault(g, {})[item] = row
         out.rows.append(row)

@@ -42,7 +42,7 @@ def render(lines: Iterable[object]) -> str:
     return "\n".join(shown(line) for line in lines)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one per tensor of both sides
 class MappingRow:
     """How one tensor was matched.
 

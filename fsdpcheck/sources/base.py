@@ -183,7 +183,8 @@ class Entry:
         key: The checkpoint's own key (what its files call it).
         path: The key as a structural path, e.g. ``("model", "layers.0.w")`` or
             ``("optim", "state", "layers.0.w", "exp_avg")``; used to tell model, optimizer state
-            and param_groups entries apart without guessing at dots inside FQNs.
+            and param_groups entries apart without guessing at dots inside FQNs. Empty for a
+            format with no nesting (safetensors), whose key is its one component.
         shape: Global shape (tensors only).
         dtype: Dtype (tensors only).
         is_tensor: False for non-tensor objects (hyperparameters, lists).
@@ -196,7 +197,7 @@ class Entry:
     is_tensor: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a batch holds thousands
 class Region:
     """A box of a reference tensor to read: per-dim offset and size."""
 
@@ -345,6 +346,13 @@ class Source(ABC):
     def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
         """Several non-tensor entries (sources that can batch the reads override this)."""
         return {k: self.read_object(k) for k in keys}
+
+    def share_names(self, other: Source) -> None:  # noqa: B027 - optional hook
+        """Holds the keys `other` holds too as `other`'s string objects (optional).
+
+        For a caller that keeps two sources of the same model open (compare): their names are
+        then kept once, not once per side.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases files (optional)."""
