@@ -26,7 +26,6 @@ import pickle
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +39,7 @@ from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Region, Source, open_source
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
 from fsdpcheck.stats import KeyStats
-from fsdpcheck.tolerances import tolerance
+from fsdpcheck.tolerances import CheckSettings, tolerance
 
 if TYPE_CHECKING:
     from fsdpcheck.collectives import Comm
@@ -94,16 +93,14 @@ def compare_checkpoints(
     if (rtol is not None and rtol < 0) or (atol is not None and atol < 0):
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     with _collector.paused():  # NOTE: [collector]
-        return _compare_checkpoints(
-            actual, expected, _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore),
-            device, memory_budget, progress,
-        )  # fmt: skip
+        settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
+        return _compare_checkpoints(actual, expected, settings, device, memory_budget, progress)
 
 
 def _compare_checkpoints(
     actual: Any,
     expected: Any,
-    settings: _Settings,
+    settings: CheckSettings,
     device: str | torch.device | None,
     memory_budget: int,
     progress: Progress | None,
@@ -137,7 +134,7 @@ def serve_compare(
     session: offline_dist.Session,
     actual: str,
     expected: str,
-    settings: _Settings,
+    settings: CheckSettings,
     device: str | None,
     memory_budget: int,
 ) -> _CompareJob:
@@ -168,7 +165,7 @@ def _request(
     session: offline_dist.Session | None,
     actual: Any,
     expected: Any,
-    settings: _Settings,
+    settings: CheckSettings,
     device: str | torch.device | None,
     budget: int,
 ) -> offline_dist.Request | None:
@@ -186,16 +183,6 @@ def _request(
     except Exception:
         return None
     return request
-
-
-@dataclass(frozen=True)
-class _Settings:
-    rtol: float | None
-    atol: float | None
-    equal_nan: bool
-    check_dtype: bool
-    key_map: matching.KeyMap | None
-    ignore: Sequence[str] | None
 
 
 class _Pairs:
@@ -263,7 +250,7 @@ class _CompareJob:
         self,
         sa: Source,
         sb: Source,
-        s: _Settings,
+        s: CheckSettings,
         dev: torch.device,
         budget: int,
         world: int = 1,

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from fsdpcheck.matching import KeyMap
 
 # torch.testing.assert_close's defaults, used when the two dtypes differ and no tolerance was
 # given (the float8 rows follow the same rule: a few units in the last place).
@@ -34,3 +41,26 @@ def tolerance(
     if not floats:
         return (0.0, 0.0)
     return DTYPE_TOLERANCES[min(floats, key=_PRECISION.index)]  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """What a value check was asked for, as verify and compare_checkpoints take it.
+
+    Attributes:
+        rtol: Relative tolerance given (None: `tolerance` decides per dtype pair).
+        atol: Absolute tolerance given.
+        equal_nan: Whether NaN matches NaN.
+        check_dtype: Whether a dtype difference is a finding (else a note).
+        key_map: Prefix rules applied to names before pairing.
+        ignore: Glob patterns of keys left out.
+        budget: Bytes of reads in flight.
+    """
+
+    rtol: float | None
+    atol: float | None
+    equal_nan: bool
+    check_dtype: bool
+    key_map: KeyMap | None
+    ignore: Sequence[str] | None
+    budget: int

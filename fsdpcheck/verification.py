@@ -48,7 +48,7 @@ from fsdpcheck.sources import Region, Source, checkpoint_notes
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.stats import KeyStats
-from fsdpcheck.tolerances import tolerance
+from fsdpcheck.tolerances import CheckSettings, tolerance
 
 
 @dataclass
@@ -146,22 +146,11 @@ def verify(
         try:
             return _verify(
                 comm, t0, live, source, ckpt, error, reference,
-                _Settings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
+                CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
             )  # fmt: skip
         finally:
             if source is not None and source is not reference:  # a source given stays open
                 source.close()
-
-
-@dataclass(frozen=True)
-class _Settings:
-    rtol: float | None
-    atol: float | None
-    equal_nan: bool
-    check_dtype: bool
-    key_map: matching.KeyMap | None
-    ignore: Sequence[str] | None
-    budget: int
 
 
 def _verify(
@@ -172,7 +161,7 @@ def _verify(
     ckpt: matching.CheckpointKeys | None,
     error: str | None,
     reference: Any,
-    s: _Settings,
+    s: CheckSettings,
 ) -> Report:
     """The protocol of the module docstring, once every rank has opened what it could."""
     described = source.description if source is not None else str(reference)
@@ -289,7 +278,7 @@ def _prepare(
     live: LiveState,
     source: Source,
     ckpt: matching.CheckpointKeys,
-    s: _Settings,
+    s: CheckSettings,
     world: int,
 ) -> _Prepared:
     """The pairing of the job's names, this rank's values, and its per-key checks (local)."""
@@ -377,7 +366,7 @@ def _check_keys(
 
 # -------------------------------------------------------------------------------------------
 def _compare_values(
-    p: _Prepared, stats: list[KeyStats], findings: list[Finding], s: _Settings
+    p: _Prepared, stats: list[KeyStats], findings: list[Finding], s: CheckSettings
 ) -> int:
     """Reads and compares every local piece in batches under the budget; returns bytes read.
 

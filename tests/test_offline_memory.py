@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from fsdpcheck import cli
-from fsdpcheck.comparison import _CompareJob, _Settings, compare_checkpoints
+from fsdpcheck.comparison import _CompareJob, compare_checkpoints
 from fsdpcheck.inspection import inspect_checkpoint
 from fsdpcheck.keys import CkptKey
 from fsdpcheck.names import WRAPPER_COMPONENTS, canonical_names
 from fsdpcheck.sources import Entry, open_source, prefetch
 from fsdpcheck.sources.prefetch import MAX_REGIONS, batch_ranges
+from fsdpcheck.tolerances import CheckSettings
 
 
 # -- batches ----------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def test_the_compare_plan_is_columns_and_rows_are_made_for_the_report(tmp_path: 
     save_file(b, str(tmp_path / "b.safetensors"))
     sa, sb = open_source(tmp_path / "a.safetensors"), open_source(tmp_path / "b.safetensors")
     try:
-        s = _Settings(None, None, True, True, None, None)
+        s = CheckSettings(None, None, True, True, None, None, 1 << 30)
         job = _CompareJob(sa, sb, s, torch.device("cpu"), 1 << 20)
         assert job.pairs.names == ["w0", "w1", "w2", "w3"]
         assert (list(job.block_pair), list(job.block_bytes), job.cut) == (
