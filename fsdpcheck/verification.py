@@ -44,7 +44,7 @@ from fsdpcheck.live import LiveState, live_state
 from fsdpcheck.opening import open_checked
 from fsdpcheck.readplan import Arena, row_blocks
 from fsdpcheck.report import Finding, Report, normalized
-from fsdpcheck.sources import Region, Source, checkpoint_notes
+from fsdpcheck.sources import Region, Source, checkpoint_notes, prefetch
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.stats import KeyStats
@@ -370,11 +370,14 @@ def _compare_values(
 ) -> int:
     """Reads and compares every local piece in batches under the budget; returns bytes read.
 
-    Batches are at most ``batch_bytes(budget)`` (``prefetch.STEP`` at most): the arena stays
-    small and warm instead of a budget's worth of freshly faulted pages. A batch holds pieces
-    on one device only (shards offloaded to the CPU beside shards on a GPU are batched apart).
+    Batches are at most ``batch_bytes(budget)`` (``prefetch.STEP`` at most) and
+    ``prefetch.MAX_REGIONS`` pieces: the arena stays small and warm instead of a budget's worth
+    of freshly faulted pages. A batch holds pieces on one device only (shards offloaded to the
+    CPU beside shards on a GPU are batched apart).
     """
     step = batch_bytes(s.budget)
+    # Batches are capped in pieces too (NOTE: [regions per batch] in prefetch).
+    cap = prefetch.MAX_REGIONS
     entries = p.source.entries()
     batches: dict[torch.device, list[list[_Work]]] = {}
     held: dict[torch.device, int] = {}
@@ -414,7 +417,7 @@ def _compare_values(
                         lay.replicated,
                     )
                     nbytes = math.prod(size) * elsize
-                    if not mine or held[dev] + nbytes > step:
+                    if not mine or held[dev] + nbytes > step or len(mine[-1]) >= cap:
                         mine.append([])
                         held[dev] = 0
                     mine[-1].append(w)

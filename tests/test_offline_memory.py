@@ -58,6 +58,30 @@ def test_compare_reads_at_most_the_cap_of_regions_per_batch(
     assert (f.key, f.kind, f.mismatched, f.max_abs_index) == ("w7", "value", 1, (2,))
 
 
+def test_verify_reads_at_most_the_cap_of_regions_per_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsdpcheck
+
+    live = {f"w{i}": torch.arange(6, dtype=torch.float32) + i for i in range(10)}
+    saved = {k: v.clone() for k, v in live.items()}
+    saved["w7"][2] += 1
+    save_file(saved, str(tmp_path / "m.safetensors"))
+    monkeypatch.setattr(prefetch, "MAX_REGIONS", 3)
+    seen: list[int] = []
+    read = prefetch._read
+
+    def spy(source, regions, *args):  # type: ignore[no-untyped-def]
+        seen.append(len(regions))
+        return read(source, regions, *args)
+
+    monkeypatch.setattr(prefetch, "_read", spy)
+    report = fsdpcheck.verify(live, tmp_path / "m.safetensors")
+    assert seen == [3, 3, 3, 1]  # 10 pieces, 3 at most per batch
+    (f,) = report.findings
+    assert (f.key, f.kind, f.mismatched, f.max_abs_index) == ("w7", "value", 1, (2,))
+
+
 # -- per-key structures -----------------------------------------------------------------------
 def _reference_canonical(names: list[str]) -> dict[str, str]:
     parts = {n: [c for c in n.split(".") if c not in WRAPPER_COMPONENTS] for n in names}
