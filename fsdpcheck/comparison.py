@@ -94,7 +94,7 @@ def compare_checkpoints(
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     with _collector.paused():  # NOTE: [collector]
         settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
-        return _compare_checkpoints(actual, expected, settings, device, memory_budget, progress)
+        return _compare_checkpoints(actual, expected, settings, device, progress)
 
 
 def _compare_checkpoints(
@@ -102,12 +102,11 @@ def _compare_checkpoints(
     expected: Any,
     settings: CheckSettings,
     device: str | torch.device | None,
-    memory_budget: int,
     progress: Progress | None,
 ) -> Report:
     t0 = time.perf_counter()
     session = offline_dist.current()
-    request = _request(session, actual, expected, settings, device, memory_budget)
+    request = _request(session, actual, expected, settings, device)
     if session is not None:
         dev = session.device(device)
     else:
@@ -116,7 +115,7 @@ def _compare_checkpoints(
     try:
         infos = (_describe(actual), _describe(expected))
         world = session.world if session is not None and request is not None else 1
-        job = _CompareJob(sa, sb, settings, dev, memory_budget, world, progress)
+        job = _CompareJob(sa, sb, settings, dev, world, progress)
         if session is not None and request is not None:
             tally = session.run(request, job)
         else:
@@ -136,12 +135,11 @@ def serve_compare(
     expected: str,
     settings: CheckSettings,
     device: str | None,
-    memory_budget: int,
 ) -> _CompareJob:
     """The job of a comparison another process of the launch asked for (``offline_dist``)."""
     sa, sb = _open_both(actual, expected)
     try:
-        job = _CompareJob(sa, sb, settings, session.device(device), memory_budget, session.world)
+        job = _CompareJob(sa, sb, settings, session.device(device), session.world)
     except BaseException:
         sa.close()
         sb.close()
@@ -167,7 +165,6 @@ def _request(
     expected: Any,
     settings: CheckSettings,
     device: str | torch.device | None,
-    budget: int,
 ) -> offline_dist.Request | None:
     """What another process rebuilds this comparison from; None to compare alone.
 
@@ -176,7 +173,7 @@ def _request(
     """
     if session is None or not all(isinstance(r, (str, os.PathLike)) for r in (actual, expected)):
         return None
-    args = (os.fspath(actual), os.fspath(expected), settings, device and str(device), budget)
+    args = (os.fspath(actual), os.fspath(expected), settings, device and str(device))
     request = offline_dist.Request("compare", args)
     try:
         pickle.dumps(request)
@@ -252,7 +249,6 @@ class _CompareJob:
         sb: Source,
         s: CheckSettings,
         dev: torch.device,
-        budget: int,
         world: int = 1,
         progress: Progress | None = None,
     ) -> None:
@@ -343,7 +339,7 @@ class _CompareJob:
         # Every pair's row blocks, then batches of blocks: one kernel call per batch (per
         # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
         # Two batches are in flight, so each holds at most half the budget (both sides).
-        self.step = batch_bytes(budget)
+        self.step = batch_bytes(s.budget)
         p = self.pairs
         both = [da.itemsize + db.itemsize for da, db in zip(p.dtypes_a, p.dtypes_b)]
         total = sum(math.prod(shape) * n for shape, n in zip(p.shapes, both))

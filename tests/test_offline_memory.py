@@ -35,15 +35,16 @@ def test_batches_are_cut_by_bytes_too_and_a_large_item_is_alone() -> None:
     assert list(batch_ranges([], range(0), 6)) == []
 
 
-def test_compare_reads_at_most_the_cap_of_regions_per_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _ten_tensors_and_a_planted_copy() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     a = {f"w{i}": torch.arange(6, dtype=torch.float32) + i for i in range(10)}
     b = {k: v.clone() for k, v in a.items()}
     b["w7"][2] += 1
-    save_file(a, str(tmp_path / "a.safetensors"))
-    save_file(b, str(tmp_path / "b.safetensors"))
-    monkeypatch.setattr(prefetch, "MAX_REGIONS", 3)
+    return a, b
+
+
+def _regions_per_read(monkeypatch: pytest.MonkeyPatch, cap: int) -> list[int]:
+    """Caps batches at `cap` regions; the list then receives each read's number of regions."""
+    monkeypatch.setattr(prefetch, "MAX_REGIONS", cap)
     seen: list[int] = []
     read = prefetch._read
 
@@ -52,6 +53,16 @@ def test_compare_reads_at_most_the_cap_of_regions_per_batch(
         return read(source, regions, *args)
 
     monkeypatch.setattr(prefetch, "_read", spy)
+    return seen
+
+
+def test_compare_reads_at_most_the_cap_of_regions_per_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = _ten_tensors_and_a_planted_copy()
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    seen = _regions_per_read(monkeypatch, 3)
     report = compare_checkpoints(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
     assert seen == [3, 3, 3, 3, 3, 3, 1, 1]  # 10 tensors per side, 3 at most per batch
     (f,) = report.findings
@@ -63,19 +74,9 @@ def test_verify_reads_at_most_the_cap_of_regions_per_batch(
 ) -> None:
     import fsdpcheck
 
-    live = {f"w{i}": torch.arange(6, dtype=torch.float32) + i for i in range(10)}
-    saved = {k: v.clone() for k, v in live.items()}
-    saved["w7"][2] += 1
+    live, saved = _ten_tensors_and_a_planted_copy()
     save_file(saved, str(tmp_path / "m.safetensors"))
-    monkeypatch.setattr(prefetch, "MAX_REGIONS", 3)
-    seen: list[int] = []
-    read = prefetch._read
-
-    def spy(source, regions, *args):  # type: ignore[no-untyped-def]
-        seen.append(len(regions))
-        return read(source, regions, *args)
-
-    monkeypatch.setattr(prefetch, "_read", spy)
+    seen = _regions_per_read(monkeypatch, 3)
     report = fsdpcheck.verify(live, tmp_path / "m.safetensors")
     assert seen == [3, 3, 3, 1]  # 10 pieces, 3 at most per batch
     (f,) = report.findings
@@ -164,8 +165,8 @@ def test_the_compare_plan_is_columns_and_rows_are_made_for_the_report(tmp_path: 
     save_file(b, str(tmp_path / "b.safetensors"))
     sa, sb = open_source(tmp_path / "a.safetensors"), open_source(tmp_path / "b.safetensors")
     try:
-        s = CheckSettings(None, None, True, True, None, None, 1 << 30)
-        job = _CompareJob(sa, sb, s, torch.device("cpu"), 1 << 20)
+        s = CheckSettings(None, None, True, True, None, None, 1 << 20)
+        job = _CompareJob(sa, sb, s, torch.device("cpu"))
         assert job.pairs.names == ["w0", "w1", "w2", "w3"]
         assert (list(job.block_pair), list(job.block_bytes), job.cut) == (
             [0, 1, 2, 3],
