@@ -258,11 +258,13 @@ def checkpoint_fingerprints(
 def _checkpoint_fingerprints(
     path: Any, ignore: Sequence[str] | None, memory_budget: int
 ) -> tuple[dict[str, int], list[str]]:
+    from fsdpcheck.sources.dcp import DCPSource
+
     session = offline_dist.current()
     request = None
     # An open DCP source (audit's, whose metadata is read and checked already) is hashed as it
     # is here; the other processes of a launch open its path.
-    where = path.path if isinstance(path, Source) and hasattr(path, "path") else path
+    where = path.path if isinstance(path, DCPSource) else path
     if session is not None and isinstance(where, (str, os.PathLike)):
         args = (os.fspath(where), tuple(ignore) if ignore else None, memory_budget)
         request = offline_dist.Request("fingerprint", args)

@@ -224,12 +224,10 @@ def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
 
     info = source.parts()[0].checkpoint or describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
-    digests = {
-        Path(part.path): part.metadata_digest
-        for part in source.parts()
-        if isinstance(part, DCPSource)
-    }
-    stale = stale_reason(info.path, manifest, digests) if manifest is not None else None
+    stale = None
+    if manifest is not None:  # the digests of the .metadata files this source read already
+        read = {p.path: p.metadata_digest for p in source.parts() if isinstance(p, DCPSource)}
+        stale = stale_reason(info.path, manifest, read)
     if stale is not None:  # it describes an earlier save: checked against, it would only mislead
         info.notes.append(f"{stale}; not used")
         manifest = None

@@ -340,7 +340,7 @@ def stale_reason(
     for rel, want in sorted(manifest.saves.items()):
         d = Path(folder) / rel
         try:
-            known = (digests or {}).get(d) or (digests or {}).get(d.resolve())
+            known = digests.get(d) if digests else None
             if (known or sha256_of(d / METADATA_FILE)) == want.metadata_sha256:
                 continue
             have = _save_id(d)
