@@ -5,8 +5,10 @@ A torch upgrade that moves something breaks this file only.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,3 +91,107 @@ def local_shape_and_offset(
 
     shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
     return tuple(shape), tuple(offset)
+
+
+# NOTE: [FSDP1 internals] FSDP1 (``FullyShardedDataParallel``) flattens the parameters of each
+# wrapped module into one FlatParameter and gives each rank a contiguous run of it; the optimizer
+# steps the flat run (``use_orig_params=False``) or each original parameter's part of it, a 1-D
+# view (``use_orig_params=True``). Where each original parameter's part lies is recorded on the
+# FlatParameter as private fields (torch 2.1-2.13: ``_fqns``, ``_shapes``, ``_shard_param_infos``,
+# ``_params``, ``_sharded_size``; the handle's ``_sharding_strategy``; the FSDP module's
+# ``_inter_node_pg`` under HYBRID_SHARD). They are read here only.
+@dataclass(frozen=True)
+class FlatParamInfo:
+    """One FSDP1 FlatParameter and where each original parameter's elements lie on this rank.
+
+    Attributes:
+        flat: The FlatParameter (registered on the module when ``use_orig_params=False``).
+        prefix: The FSDP module's name in the model, with a trailing dot ("" for the root).
+        fqns: Each original parameter's name below the FSDP module.
+        shapes: Each original parameter's shape.
+        shards: Per original parameter, ``(offset in the local flat run, numel, first flattened
+            index held)``, or None when this rank holds none of it.
+        params: The original Parameters (``use_orig_params=True``), else None.
+        local_numel: Elements of this rank's flat run, padding included.
+        replicas: How many ranks hold a copy of this rank's run (HYBRID_SHARD: the replica
+            groups; NO_SHARD: every rank).
+        replica_index: This rank's index among them (0 is the copy a fingerprint counts).
+        strategy: The sharding strategy's name, for messages.
+    """
+
+    flat: Any
+    prefix: str
+    fqns: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    shards: tuple[tuple[int, int, int] | None, ...]
+    params: tuple[Any, ...] | None
+    local_numel: int
+    replicas: int
+    replica_index: int
+    strategy: str
+
+
+def fsdp1_flat_params(model: torch.nn.Module) -> list[FlatParamInfo]:
+    """Every FSDP1 FlatParameter of `model` (empty when it has no FSDP1 module).
+
+    Raises:
+        TypeError: When an FSDP1 module lacks the fields read (another torch version), naming it.
+    """
+    fsdp = _cls("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel")
+    if fsdp is None:
+        return []
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, fsdp):
+            continue
+        handle = getattr(module, "_handle", None)
+        if handle is None:
+            continue  # an FSDP module with no parameters of its own
+        flat = handle.flat_param
+        try:
+            infos = tuple(flat._shard_param_infos)
+            fqns, shapes = tuple(flat._fqns), tuple(tuple(s) for s in flat._shapes)
+            local_numel = math.prod(flat._sharded_size)
+            strategy = handle._sharding_strategy.name
+        except AttributeError as exc:
+            raise TypeError(
+                f"the FSDP1 module {name or '<root>'} lacks {exc.name} (another torch version?): "
+                "its optimizer state cannot be mapped to parameters; call without optimizer= "
+                "to verify the model"
+            ) from None
+        shards = tuple(
+            (int(i.offset_in_shard), int(i.numel_in_shard), int(i.intra_param_start_idx))
+            if i.in_shard
+            else None
+            for i in infos
+        )
+        replicas, index = 1, 0
+        if strategy == "NO_SHARD":
+            group = getattr(module, "process_group", None)
+            replicas, index = _group_size_rank(group)
+        elif "HYBRID" in strategy:
+            replicas, index = _group_size_rank(getattr(module, "_inter_node_pg", None))
+        params = getattr(flat, "_params", None)
+        out.append(
+            FlatParamInfo(
+                flat,
+                f"{name}." if name else "",
+                fqns,
+                shapes,
+                shards,
+                tuple(params) if params is not None else None,
+                local_numel,
+                replicas,
+                index,
+                strategy,
+            )
+        )
+    return out
+
+
+def _group_size_rank(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), max(dist.get_rank(group), 0)

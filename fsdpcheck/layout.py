@@ -1,6 +1,7 @@
 """Where each rank's local data sits in the global tensor.
 
-DTensor, ShardedTensor, a DeepSpeed ZeRO-3 partitioned parameter, or a plain tensor.
+DTensor, ShardedTensor, a DeepSpeed ZeRO-3 partitioned parameter, a run of a tensor's row-major
+elements (``FlatShard``: FSDP1's optimizer state), or a plain tensor.
 """
 
 from __future__ import annotations
@@ -61,6 +62,44 @@ class Layout:
     mesh_ranks: frozenset[int] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class FlatShard:
+    """The elements ``[start, start + data.numel())`` of a tensor of ``shape``, row-major.
+
+    What FSDP1 holds of an original parameter's optimizer state (NOTE: [FSDP1 flat state] in
+    ``live``): a 1-D run of the flattened tensor, not a box. It is a description of live data,
+    not a copy: ``data`` is the optimizer's own tensor (or a view of it).
+
+    Attributes:
+        data: This rank's 1-D run (may be empty: the rank holds none of the tensor).
+        shape: The global tensor's shape.
+        start: The global row-major linear index of ``data[0]``.
+        replicated: Whether other ranks hold copies of the same run (HYBRID_SHARD, NO_SHARD).
+        owner: Whether this rank's copy is the one a fingerprint counts (None: the lowest rank
+            holding the key, as for a plain tensor).
+        description: The layout in words, for messages.
+        error: Why the run cannot be placed in the tensor (then it is never compared), or None.
+    """
+
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    start: int
+    replicated: bool = False
+    owner: bool | None = True
+    description: str = "FSDP1 flat shard"
+    error: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The local data's dtype."""
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The local data's device."""
+        return self.data.device
+
+
 @dataclass(frozen=True)
 class Meta:
     """What every rank holding a key must agree on: its global shape and dtype."""
@@ -73,6 +112,8 @@ def global_meta(value: Any) -> Meta:
     """The global shape and dtype of a live value, without computing its layout."""
     if _plain(value):
         return Meta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    if isinstance(value, FlatShard):
+        return Meta(value.shape, str(value.dtype).removeprefix("torch."))
     if is_zero3(value) and getattr(value, "ds_shape", None) is not None:
         shape = tuple(int(s) for s in value.ds_shape)
     elif _compat.is_sharded_tensor(value):
@@ -86,18 +127,20 @@ def global_meta(value: Any) -> Meta:
     return Meta(shape, str(dtype).removeprefix("torch."))
 
 
-def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
+def local_layout(value: torch.Tensor | FlatShard, world_size: int = 1) -> Layout:
     """The layout of one live value on this rank.
 
     Args:
         value: A DTensor, a ShardedTensor, a DeepSpeed ZeRO-3 parameter (one that carries
-            ``ds_*`` attributes) or a plain tensor.
+            ``ds_*`` attributes), a FlatShard or a plain tensor.
         world_size: Ranks in the job (plain tensors are replicas when it is above 1).
 
     Returns:
         The Layout; ``error`` is set (and ``pieces`` empty) for layouts that cannot be checked.
     """
     plain = _plain(value)
+    if isinstance(value, FlatShard):
+        return flat_shard_layout(value)
     if not plain and _compat.is_dtensor(value):
         return _dtensor_layout(value)
     if not plain and _compat.is_sharded_tensor(value):
@@ -363,21 +406,45 @@ def partition_layout(
         description: The layout in words, for messages.
     """
     numel = math.prod(shape)
-    layout = Layout(shape, partition.dtype, partition.device, description=description)
-    layout.replicated = world_size > world
-    layout.owner = None if layout.replicated else True
+    replicated = world_size > world
     size = partition.numel()
     if partition.dim() != 1 or not 0 <= index < world or size * world < numel:
+        layout = Layout(shape, partition.dtype, partition.device, description=description)
         layout.error = (
             f"{description}: a partition of shape {tuple(partition.shape)} as number {index} of "
             f"{world} does not tile the {numel} elements of a tensor of shape {shape}"
         )
         return layout
     start = min(index * size, numel)
+    data = partition.narrow(0, 0, min(start + size, numel) - start)  # the padding left out
+    owner = None if replicated else True
+    return flat_shard_layout(FlatShard(data, shape, start, replicated, owner, description))
+
+
+def flat_shard_layout(value: FlatShard) -> Layout:
+    """The boxes of a FlatShard (``flat_range_boxes``), each a view of its data.
+
+    Returns:
+        The Layout; ``error`` set when the run is not 1-D or does not lie inside the tensor.
+    """
+    shape, data = tuple(value.shape), value.data
+    layout = Layout(shape, data.dtype, data.device, description=value.description)
+    layout.replicated, layout.owner = value.replicated, value.owner
+    if value.error is not None:
+        layout.error = value.error
+        return layout
+    numel = math.prod(shape)
+    stop = value.start + data.numel()
+    if data.dim() != 1 or not 0 <= value.start <= stop <= numel:
+        layout.error = (
+            f"{value.description}: {data.numel()} elements from linear index {value.start} do "
+            f"not lie inside a tensor of shape {shape} ({numel} elements)"
+        )
+        return layout
     at = 0
-    for offset, box_size in flat_range_boxes(shape, start, min(start + size, numel)):
+    for offset, box_size in flat_range_boxes(shape, value.start, stop):
         n = math.prod(box_size)
-        layout.pieces.append(Piece(partition.narrow(0, at, n).view(box_size), Box(shape, offset)))
+        layout.pieces.append(Piece(data.narrow(0, at, n).view(box_size), Box(shape, offset)))
         at += n
     return layout
 
