@@ -195,3 +195,93 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), max(dist.get_rank(group), 0)
+
+
+# NOTE: [tensor kinds] fsdpcheck reads a tensor's elements in place, as a strided array of one of
+# its dtypes. Tensors that are not one (sparse or mkldnn layouts, nested, quantized, on the meta
+# device, or a subclass that keeps its data its own way behind ``__torch_dispatch__``) are named
+# by kind here, once per key, before any kernel sees them: handed to a kernel they fail for the
+# whole batch, naming no key (or with torch's "Internal error ... Please file an issue" for a
+# nested tensor's sizes). A wrapper subclass that declares its parts (``__tensor_flatten__``) and
+# holds the values as ONE plain tensor of its own shape and dtype (torchao's
+# ``WeightWithDynamicFloat8CastTensor`` around the high-precision weight) is read as that tensor.
+def _own_dispatch(t: torch.Tensor) -> bool:
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def is_nested(t: torch.Tensor) -> bool:
+    """Whether `t` is a nested tensor (False for a subclass that refuses to say)."""
+    try:
+        return bool(t.is_nested)
+    except Exception:  # a subclass's __torch_function__ may refuse the attribute
+        return False
+
+
+def tensor_kind_problem(t: torch.Tensor, *, quantized: bool = True) -> str | None:
+    """Why `t`'s elements cannot be read as a dense strided array, naming its kind; else None.
+
+    Checked without touching the data (nor the subclass's own dispatch, beyond
+    ``__tensor_flatten__``). `quantized` False leaves quantized tensors to the dtype checks
+    (offline readers report them as an unsupported dtype).
+    """
+    try:
+        return _kind_problem(t, quantized)
+    except Exception as exc:  # a subclass's own code refused to describe itself
+        return (
+            f"a tensor subclass ({type(t).__qualname__}) that refuses to describe its data "
+            f"({type(exc).__name__}): compare a plain tensor of its values"
+        )
+
+
+def _kind_problem(t: torch.Tensor, quantized: bool) -> str | None:
+    if t.is_nested:
+        return (
+            "a nested tensor (torch.nested): its components have shapes of their own; compare "
+            "them one by one (.unbind())"
+        )
+    if t.layout != torch.strided:
+        return (
+            f"a {str(t.layout).removeprefix('torch.')} tensor: compare a dense copy (.to_dense())"
+        )
+    if t.is_quantized and quantized:
+        return (
+            f"a quantized tensor ({t.dtype}): its integers are not its values; compare "
+            ".dequantize() (or .int_repr() for the stored integers)"
+        )
+    if t.device.type == "meta":
+        return "a tensor on the meta device: it holds no data (never materialised or loaded?)"
+    if _own_dispatch(t) and dense_inner(t) is None:
+        return (
+            f"an opaque tensor subclass ({type(t).__qualname__}) that keeps its data its own way "
+            "(__torch_dispatch__): compare a plain tensor of its values"
+        )
+    return None
+
+
+def dense_inner(t: torch.Tensor) -> torch.Tensor | None:
+    """The one plain tensor a wrapper subclass holds its values in, when it declares one.
+
+    Returns:
+        `t` itself when it is no subclass with its own dispatch; the inner tensor of its
+        ``__tensor_flatten__`` that is a plain strided tensor of `t`'s shape, dtype and device;
+        else None.
+    """
+    if not _own_dispatch(t):
+        return t
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    try:
+        names, _ = flatten()
+        inner = [getattr(t, n) for n in names]
+    except Exception:  # a subclass's own code: whatever it raises, it is opaque here
+        return None
+    same = [
+        x
+        for x in inner
+        if type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.layout == torch.strided
+        and not x.is_quantized
+        and (tuple(x.shape), x.dtype, x.device) == (tuple(t.shape), t.dtype, t.device)
+    ]
+    return same[0] if len(same) == 1 else None

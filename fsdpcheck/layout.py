@@ -111,6 +111,8 @@ class Meta:
 def global_meta(value: Any) -> Meta:
     """The global shape and dtype of a live value, without computing its layout."""
     if _plain(value):
+        if value.is_nested:  # no sizes: its component count
+            return Meta((value.size(0),), str(value.dtype).removeprefix("torch."))
         return Meta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
     if isinstance(value, FlatShard):
         return Meta(value.shape, str(value.dtype).removeprefix("torch."))
@@ -118,6 +120,8 @@ def global_meta(value: Any) -> Meta:
         shape = tuple(int(s) for s in value.ds_shape)
     elif _compat.is_sharded_tensor(value):
         shape = tuple(value.size())
+    elif not _compat.is_dtensor(value) and _compat.is_nested(value):
+        shape = (value.size(0),)
     else:
         shape = tuple(value.shape)
     dtype = value.dtype
@@ -148,16 +152,84 @@ def local_layout(value: torch.Tensor | FlatShard, world_size: int = 1) -> Layout
     if not plain and is_zero3(value):
         return _zero3_layout(value, world_size)
     if isinstance(value, torch.Tensor):
-        shape = tuple(value.shape)
-        return Layout(
-            shape,
-            value.dtype,
-            value.device,
-            [Piece(value, _whole(shape))],
-            replicated=world_size > 1,
-            description="tensor",
+        shape = (value.size(0),) if value.is_nested else tuple(value.shape)
+        layout = Layout(
+            shape, value.dtype, value.device, replicated=world_size > 1, description="tensor"
         )
+        data, layout.error = _dense(value, "it is ")
+        if data is not None:
+            layout.pieces = [Piece(data, _whole(shape))]
+            layout.error = _merge_problem(layout.pieces)
+        return layout
     raise TypeError(f"not a tensor: {type(value).__name__}")
+
+
+def _dense(t: torch.Tensor, said: str) -> tuple[torch.Tensor | None, str | None]:
+    """The dense strided tensor holding `t`'s values, or why there is none (NOTE: [tensor kinds]).
+
+    `said` begins the reason ("it is ", "its local tensor is ").
+    """
+    if (  # the common case, decided without a call
+        type(t) is torch.Tensor
+        and t.layout is torch.strided
+        and not t.__dict__
+        and not (t.is_nested or t.is_quantized or t.device.type == "meta")
+    ):
+        return t, None
+    problem = _compat.tensor_kind_problem(t)
+    if problem is not None:
+        return None, f"{said}{problem}"
+    return _compat.dense_inner(t), None
+
+
+# The kernels index at most this many dims once contiguous ones merge (kMaxDims in
+# csrc/fsdpcheck/elementwise.h; the read reference side is contiguous).
+_KERNEL_DIMS = 8
+
+
+def _merge_problem(pieces: list[Piece]) -> str | None:
+    """Why a piece would need more dims than the kernels index (``strides_problem``), or None."""
+    for piece in pieces:
+        why = strides_problem(piece.tensor, piece.box.shape)
+        if why is not None:
+            return f"it is {why}"
+    return None
+
+
+def strides_problem(t: torch.Tensor, global_shape: Sequence[int] | None = None) -> str | None:
+    """Why `t` would need more than the kernels' dims after merging, naming it; else None.
+
+    The kernels' rule (``plan.cpp``): size-1 dims go, then a dim merges into the one outside
+    it when the pair is one linear dim for `t`'s strides, for the contiguous reference read for
+    it, and for the global tensor (`global_shape`, default `t`'s own: a whole tensor).
+
+    Args:
+        t: A strided tensor (a local piece, or a whole tensor of a reference).
+        global_shape: The shape of the tensor `t` is a box of.
+    """
+    if t.dim() <= _KERNEL_DIMS or t.numel() == 0:
+        return None
+    shape = tuple(t.shape) if global_shape is None else tuple(global_shape)
+    gstr, estr, ga, ea = [0] * t.dim(), [0] * t.dim(), 1, 1
+    for d in range(t.dim() - 1, -1, -1):
+        gstr[d], estr[d], ga, ea = ga, ea, ga * shape[d], ea * t.shape[d]
+    merged: list[tuple[int, int, int]] = []  # (global, local, reference) stride of each
+    for d in range(t.dim()):
+        s = t.shape[d]
+        if s == 1:
+            continue
+        here = (gstr[d], t.stride(d), estr[d])
+        if merged and merged[-1] == (s * here[0], s * here[1], s * here[2]):
+            merged[-1] = here
+            continue
+        merged.append(here)
+    if len(merged) <= _KERNEL_DIMS:
+        return None
+    return (
+        f"a {t.dim()}-d tensor (shape {tuple(t.shape)}, strides {t.stride()}) whose dims merge "
+        f"into {len(merged)}, more than the {_KERNEL_DIMS} the kernels index: compare a "
+        "contiguous copy, or one reshaped to at most 8 dims"
+    )
 
 
 def _plain(value: Any) -> bool:
@@ -250,6 +322,11 @@ def _dtensor_layout(value: torch.Tensor) -> Layout:
     layout.mesh_ranks = placed.mesh_ranks
     if placed.error is not None or placed.offset is None or placed.size is None:
         return layout
+    data, why = _dense(local, "its local tensor is ")
+    if data is None:
+        layout.error = f"{desc}: {why}"
+        return layout
+    local = data
     offset, size = placed.offset, placed.size
     if tuple(local.shape) != size:
         layout.error = (
@@ -259,6 +336,9 @@ def _dtensor_layout(value: torch.Tensor) -> Layout:
         return layout
     assert placed.box is not None
     layout.pieces = [Piece(local, placed.box)]
+    why = _merge_problem(layout.pieces)
+    if why is not None:
+        layout.pieces, layout.error = [], f"{desc}: {why}"
     return layout
 
 
@@ -310,8 +390,17 @@ def _sharded_tensor_layout(value: torch.Tensor) -> Layout:
     shards = value.local_shards()  # type: ignore[attr-defined]
     dtype = shards[0].tensor.dtype if shards else value.dtype
     device = shards[0].tensor.device if shards else torch.device("cpu")
-    pieces = [Piece(s.tensor, Box(shape, tuple(s.metadata.shard_offsets))) for s in shards]
-    return Layout(shape, dtype, device, pieces, description="ShardedTensor", owner=True)
+    layout = Layout(shape, dtype, device, description="ShardedTensor", owner=True)
+    for shard in shards:
+        data, why = _dense(shard.tensor, "its local shard is ")
+        if data is None:
+            layout.error = f"ShardedTensor: {why}"
+            return layout
+        layout.pieces.append(Piece(data, Box(shape, tuple(shard.metadata.shard_offsets))))
+    why = _merge_problem(layout.pieces)
+    if why is not None:
+        layout.pieces, layout.error = [], f"ShardedTensor: {why}"
+    return layout
 
 
 # -------------------------------------------------------------------------------------------
