@@ -141,6 +141,7 @@ def summary(r: fsdpcheck.Report) -> dict[str, Any]:
         "ok": r.ok,
         "findings": [[f.key, f.kind, list(f.max_abs_index or []), f.rank] for f in r.findings],
         "counts": [r.keys_a, r.keys_b, r.keys_checked],
+        "notes": list(r.notes),
         "text": str(r),
     }
 
