@@ -349,6 +349,7 @@ def _read_optimizers(
                     "loaded): there is nothing to verify; fsdpcheck does not initialise it",
                 )
             )
+        siblings: dict[int, Mapping[str, Any]] = {}  # per FlatParameter, looked up once
         for g in opt.param_groups:
             params: list[str] = []
             for p in g["params"]:
@@ -361,7 +362,10 @@ def _read_optimizers(
                     continue
                 for fqn, info, i in mapped:
                     params.append(fqn)
-                    states = _fsdp1_state(fqn, st, info, i, _sibling_state(opt, info))
+                    if not st and id(info.flat) not in siblings:
+                        siblings[id(info.flat)] = _sibling_state(opt, info)
+                    sibling = siblings.get(id(info.flat), {})
+                    states = _fsdp1_state(fqn, st, info, i, sibling)
                     if states:
                         out.optim_state[fqn] = states
             out.param_groups.append(
