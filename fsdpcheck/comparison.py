@@ -88,10 +88,6 @@ def compare_checkpoints(
         A Report: "missing" (in `expected` only), "unexpected" (in `actual` only), "shape",
         "dtype", "gap", "skipped" and "value" findings; its mapping pairs every tensor.
     """
-    if not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
-    if (rtol is not None and rtol < 0) or (atol is not None and atol < 0):
-        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     with _collector.paused():  # NOTE: [collector]
         settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
         return _compare_checkpoints(actual, expected, settings, device, progress)

@@ -26,6 +26,7 @@ from fsdpcheck.readplan import row_blocks
 from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.sources import Region, Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
+from fsdpcheck.tolerances import checked_budget, checked_patterns
 
 if TYPE_CHECKING:
     from fsdpcheck.layout import Layout, Meta
@@ -249,10 +250,9 @@ def checkpoint_fingerprints(
     Under torchrun (``offline_dist``) each process hashes its share of the chunks and the sums
     are added up across processes: every process returns the same dict.
     """
-    if not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
+    memory_budget = checked_budget(memory_budget)
     with _collector.paused():  # NOTE: [collector]
-        return _checkpoint_fingerprints(path, ignore, memory_budget)
+        return _checkpoint_fingerprints(path, checked_patterns(ignore), memory_budget)
 
 
 def _checkpoint_fingerprints(

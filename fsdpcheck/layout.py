@@ -1,6 +1,7 @@
 """Where each rank's local data sits in the global tensor.
 
-DTensor, ShardedTensor, a DeepSpeed ZeRO-3 partitioned parameter, or a plain tensor.
+DTensor, ShardedTensor, a DeepSpeed ZeRO-3 partitioned parameter, a run of a tensor's row-major
+elements (``FlatShard``: FSDP1's optimizer state), or a plain tensor.
 """
 
 from __future__ import annotations
@@ -61,6 +62,44 @@ class Layout:
     mesh_ranks: frozenset[int] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class FlatShard:
+    """The elements ``[start, start + data.numel())`` of a tensor of ``shape``, row-major.
+
+    What FSDP1 holds of an original parameter's optimizer state (NOTE: [FSDP1 flat state] in
+    ``live``): a 1-D run of the flattened tensor, not a box. It is a description of live data,
+    not a copy: ``data`` is the optimizer's own tensor (or a view of it).
+
+    Attributes:
+        data: This rank's 1-D run (may be empty: the rank holds none of the tensor).
+        shape: The global tensor's shape.
+        start: The global row-major linear index of ``data[0]``.
+        replicated: Whether other ranks hold copies of the same run (HYBRID_SHARD, NO_SHARD).
+        owner: Whether this rank's copy is the one a fingerprint counts (None: the lowest rank
+            holding the key, as for a plain tensor).
+        description: The layout in words, for messages.
+        error: Why the run cannot be placed in the tensor (then it is never compared), or None.
+    """
+
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    start: int
+    replicated: bool = False
+    owner: bool | None = True
+    description: str = "FSDP1 flat shard"
+    error: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The local data's dtype."""
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The local data's device."""
+        return self.data.device
+
+
 @dataclass(frozen=True)
 class Meta:
     """What every rank holding a key must agree on: its global shape and dtype."""
@@ -72,11 +111,17 @@ class Meta:
 def global_meta(value: Any) -> Meta:
     """The global shape and dtype of a live value, without computing its layout."""
     if _plain(value):
+        if value.is_nested:  # no sizes: its component count
+            return Meta((value.size(0),), str(value.dtype).removeprefix("torch."))
         return Meta(tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    if isinstance(value, FlatShard):
+        return Meta(value.shape, str(value.dtype).removeprefix("torch."))
     if is_zero3(value) and getattr(value, "ds_shape", None) is not None:
         shape = tuple(int(s) for s in value.ds_shape)
     elif _compat.is_sharded_tensor(value):
         shape = tuple(value.size())
+    elif not _compat.is_dtensor(value) and _compat.is_nested(value):
+        shape = (value.size(0),)
     else:
         shape = tuple(value.shape)
     dtype = value.dtype
@@ -86,18 +131,20 @@ def global_meta(value: Any) -> Meta:
     return Meta(shape, str(dtype).removeprefix("torch."))
 
 
-def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
+def local_layout(value: torch.Tensor | FlatShard, world_size: int = 1) -> Layout:
     """The layout of one live value on this rank.
 
     Args:
         value: A DTensor, a ShardedTensor, a DeepSpeed ZeRO-3 parameter (one that carries
-            ``ds_*`` attributes) or a plain tensor.
+            ``ds_*`` attributes), a FlatShard or a plain tensor.
         world_size: Ranks in the job (plain tensors are replicas when it is above 1).
 
     Returns:
         The Layout; ``error`` is set (and ``pieces`` empty) for layouts that cannot be checked.
     """
     plain = _plain(value)
+    if isinstance(value, FlatShard):
+        return flat_shard_layout(value)
     if not plain and _compat.is_dtensor(value):
         return _dtensor_layout(value)
     if not plain and _compat.is_sharded_tensor(value):
@@ -105,16 +152,94 @@ def local_layout(value: torch.Tensor, world_size: int = 1) -> Layout:
     if not plain and is_zero3(value):
         return _zero3_layout(value, world_size)
     if isinstance(value, torch.Tensor):
-        shape = tuple(value.shape)
-        return Layout(
-            shape,
-            value.dtype,
-            value.device,
-            [Piece(value, _whole(shape))],
-            replicated=world_size > 1,
-            description="tensor",
+        if _dense_as_is(value) and value.dim() <= _KERNEL_DIMS:  # the common case, fast
+            shape = tuple(value.shape)
+            pieces = [Piece(value, _whole(shape))]
+            return Layout(shape, value.dtype, value.device, pieces, world_size > 1, "tensor")
+        shape = (value.size(0),) if value.is_nested else tuple(value.shape)
+        layout = Layout(
+            shape, value.dtype, value.device, replicated=world_size > 1, description="tensor"
         )
+        data, layout.error = _dense(value, "it is ")
+        if data is not None:
+            layout.pieces = [Piece(data, _whole(shape))]
+            layout.error = _merge_problem(layout.pieces)
+        return layout
     raise TypeError(f"not a tensor: {type(value).__name__}")
+
+
+def _dense(t: torch.Tensor, said: str) -> tuple[torch.Tensor | None, str | None]:
+    """The dense strided tensor holding `t`'s values, or why there is none (NOTE: [tensor kinds]).
+
+    `said` begins the reason ("it is ", "its local tensor is ").
+    """
+    if _dense_as_is(t):
+        return t, None
+    problem = _compat.tensor_kind_problem(t)
+    if problem is not None:
+        return None, f"{said}{problem}"
+    return _compat.dense_inner(t), None
+
+
+def _dense_as_is(t: torch.Tensor) -> bool:
+    """A plain tensor (or Parameter) of strided data: the common case, decided in ~0.3 us."""
+    return (
+        type(t) in _PLAIN_TYPES
+        and t.layout is torch.strided
+        and not (t.is_nested or t.is_quantized or t.is_meta)
+    )
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+# The kernels index at most this many dims once contiguous ones merge (kMaxDims in
+# csrc/fsdpcheck/elementwise.h; the read reference side is contiguous).
+_KERNEL_DIMS = 8
+
+
+def _merge_problem(pieces: list[Piece]) -> str | None:
+    """Why a piece would need more dims than the kernels index (``strides_problem``), or None."""
+    for piece in pieces:
+        why = strides_problem(piece.tensor, piece.box.shape)
+        if why is not None:
+            return f"it is {why}"
+    return None
+
+
+def strides_problem(t: torch.Tensor, global_shape: Sequence[int] | None = None) -> str | None:
+    """Why `t` would need more than the kernels' dims after merging, naming it; else None.
+
+    The kernels' rule (``plan.cpp``): size-1 dims go, then a dim merges into the one outside
+    it when the pair is one linear dim for `t`'s strides, for the contiguous reference read for
+    it, and for the global tensor (`global_shape`, default `t`'s own: a whole tensor).
+
+    Args:
+        t: A strided tensor (a local piece, or a whole tensor of a reference).
+        global_shape: The shape of the tensor `t` is a box of.
+    """
+    if t.dim() <= _KERNEL_DIMS or t.numel() == 0:
+        return None
+    shape = tuple(t.shape) if global_shape is None else tuple(global_shape)
+    gstr, estr, ga, ea = [0] * t.dim(), [0] * t.dim(), 1, 1
+    for d in range(t.dim() - 1, -1, -1):
+        gstr[d], estr[d], ga, ea = ga, ea, ga * shape[d], ea * t.shape[d]
+    merged: list[tuple[int, int, int]] = []  # (global, local, reference) stride of each
+    for d in range(t.dim()):
+        s = t.shape[d]
+        if s == 1:
+            continue
+        here = (gstr[d], t.stride(d), estr[d])
+        if merged and merged[-1] == (s * here[0], s * here[1], s * here[2]):
+            merged[-1] = here
+            continue
+        merged.append(here)
+    if len(merged) <= _KERNEL_DIMS:
+        return None
+    return (
+        f"a {t.dim()}-d tensor (shape {tuple(t.shape)}, strides {t.stride()}) whose dims merge "
+        f"into {len(merged)}, more than the {_KERNEL_DIMS} the kernels index: compare a "
+        "contiguous copy, or one reshaped to at most 8 dims"
+    )
 
 
 def _plain(value: Any) -> bool:
@@ -207,6 +332,11 @@ def _dtensor_layout(value: torch.Tensor) -> Layout:
     layout.mesh_ranks = placed.mesh_ranks
     if placed.error is not None or placed.offset is None or placed.size is None:
         return layout
+    data, why = _dense(local, "its local tensor is ")
+    if data is None:
+        layout.error = f"{desc}: {why}"
+        return layout
+    local = data
     offset, size = placed.offset, placed.size
     if tuple(local.shape) != size:
         layout.error = (
@@ -216,6 +346,9 @@ def _dtensor_layout(value: torch.Tensor) -> Layout:
         return layout
     assert placed.box is not None
     layout.pieces = [Piece(local, placed.box)]
+    why = _merge_problem(layout.pieces)
+    if why is not None:
+        layout.pieces, layout.error = [], f"{desc}: {why}"
     return layout
 
 
@@ -267,8 +400,17 @@ def _sharded_tensor_layout(value: torch.Tensor) -> Layout:
     shards = value.local_shards()  # type: ignore[attr-defined]
     dtype = shards[0].tensor.dtype if shards else value.dtype
     device = shards[0].tensor.device if shards else torch.device("cpu")
-    pieces = [Piece(s.tensor, Box(shape, tuple(s.metadata.shard_offsets))) for s in shards]
-    return Layout(shape, dtype, device, pieces, description="ShardedTensor", owner=True)
+    layout = Layout(shape, dtype, device, description="ShardedTensor", owner=True)
+    for shard in shards:
+        data, why = _dense(shard.tensor, "its local shard is ")
+        if data is None:
+            layout.error = f"ShardedTensor: {why}"
+            return layout
+        layout.pieces.append(Piece(data, Box(shape, tuple(shard.metadata.shard_offsets))))
+    why = _merge_problem(layout.pieces)
+    if why is not None:
+        layout.pieces, layout.error = [], f"ShardedTensor: {why}"
+    return layout
 
 
 # -------------------------------------------------------------------------------------------
@@ -363,21 +505,45 @@ def partition_layout(
         description: The layout in words, for messages.
     """
     numel = math.prod(shape)
-    layout = Layout(shape, partition.dtype, partition.device, description=description)
-    layout.replicated = world_size > world
-    layout.owner = None if layout.replicated else True
+    replicated = world_size > world
     size = partition.numel()
     if partition.dim() != 1 or not 0 <= index < world or size * world < numel:
+        layout = Layout(shape, partition.dtype, partition.device, description=description)
         layout.error = (
             f"{description}: a partition of shape {tuple(partition.shape)} as number {index} of "
             f"{world} does not tile the {numel} elements of a tensor of shape {shape}"
         )
         return layout
     start = min(index * size, numel)
+    data = partition.narrow(0, 0, min(start + size, numel) - start)  # the padding left out
+    owner = None if replicated else True
+    return flat_shard_layout(FlatShard(data, shape, start, replicated, owner, description))
+
+
+def flat_shard_layout(value: FlatShard) -> Layout:
+    """The boxes of a FlatShard (``flat_range_boxes``), each a view of its data.
+
+    Returns:
+        The Layout; ``error`` set when the run is not 1-D or does not lie inside the tensor.
+    """
+    shape, data = tuple(value.shape), value.data
+    layout = Layout(shape, data.dtype, data.device, description=value.description)
+    layout.replicated, layout.owner = value.replicated, value.owner
+    if value.error is not None:
+        layout.error = value.error
+        return layout
+    numel = math.prod(shape)
+    stop = value.start + data.numel()
+    if data.dim() != 1 or not 0 <= value.start <= stop <= numel:
+        layout.error = (
+            f"{value.description}: {data.numel()} elements from linear index {value.start} do "
+            f"not lie inside a tensor of shape {shape} ({numel} elements)"
+        )
+        return layout
     at = 0
-    for offset, box_size in flat_range_boxes(shape, start, min(start + size, numel)):
+    for offset, box_size in flat_range_boxes(shape, value.start, stop):
         n = math.prod(box_size)
-        layout.pieces.append(Piece(partition.narrow(0, at, n).view(box_size), Box(shape, offset)))
+        layout.pieces.append(Piece(data.narrow(0, at, n).view(box_size), Box(shape, offset)))
         at += n
     return layout
 

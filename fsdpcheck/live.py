@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from fsdpcheck import names
-from fsdpcheck.layout import Meta, global_meta, is_zero3, zero3_problem
+from fsdpcheck import _compat, names
+from fsdpcheck.layout import FlatShard, Meta, global_meta, is_zero3, zero3_problem
 
 __all__ = [
     "LiveState",
@@ -67,7 +67,7 @@ class LiveState:
             (fqn, name): value
             for fqn, states in (self.optim_state or {}).items()
             for name, value in states.items()
-            if isinstance(value, (torch.Tensor, Meta))
+            if isinstance(value, _TENSORS)
         }
 
     def names_only(self) -> LiveState:
@@ -82,13 +82,16 @@ class LiveState:
             optim_state=None
             if self.optim_state is None
             else {
-                fqn: {n: _meta(v) for n, v in st.items() if isinstance(v, (torch.Tensor, Meta))}
+                fqn: {n: _meta(v) for n, v in st.items() if isinstance(v, _TENSORS)}
                 for fqn, st in self.optim_state.items()
             },
             param_groups=groups,
             buffers={k: _meta(v) for k, v in self.buffers.items()},
             adapters=self.adapters,
         )
+
+
+_TENSORS = (torch.Tensor, Meta, FlatShard)
 
 
 def _meta(v: Any) -> Meta:
@@ -133,7 +136,7 @@ def live_state(
             if isinstance(optimizer, Mapping):
                 _state_dict_optimizer(out, optimizer, canons[0] if len(canons) == 1 else _same)
             else:
-                _read_optimizers(out, parts, optimizer, first)
+                _read_optimizers(out, parts, optimizer, first, canons)
         return out
     if isinstance(model, Mapping):
         if optimizer is not None and not isinstance(optimizer, Mapping):
@@ -315,7 +318,11 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def _read_optimizers(
-    out: LiveState, parts: list[torch.nn.Module], optimizer: Any, fqn_of: dict[int, str]
+    out: LiveState,
+    parts: list[torch.nn.Module],
+    optimizer: Any,
+    fqn_of: dict[int, str],
+    canons: list[Any],
 ) -> None:
     optimizers = inner_optimizers(optimizer)
     out.optim_state, out.param_groups = {}, []
@@ -328,8 +335,11 @@ def _read_optimizers(
             )
         _torch_optimizer_state(out, parts[0], optimizers)
         return
+    fsdp1 = _fsdp1_parameters(parts, canons, fqn_of)
     for oi, opt in enumerate(optimizers):
-        if not opt.state and any(g["params"] for g in opt.param_groups):
+        if not opt.state and any(
+            _may_hold_state(p, fsdp1) for g in opt.param_groups for p in g["params"]
+        ):
             where = f" {oi}" if len(optimizers) > 1 else ""
             out.problems.append(
                 (
@@ -339,15 +349,143 @@ def _read_optimizers(
                     "loaded): there is nothing to verify; fsdpcheck does not initialise it",
                 )
             )
+        siblings: dict[int, Mapping[str, Any]] = {}  # per FlatParameter, looked up once
         for g in opt.param_groups:
-            params = [fqn_of[id(p)] for p in g["params"]]
+            params: list[str] = []
+            for p in g["params"]:
+                st = opt.state.get(p)
+                mapped = fsdp1.get(id(p))
+                if mapped is None:
+                    params.append(fqn_of[id(p)])
+                    if st:
+                        out.optim_state[params[-1]] = dict(st)
+                    continue
+                for fqn, info, i in mapped:
+                    params.append(fqn)
+                    if not st and id(info.flat) not in siblings:
+                        siblings[id(info.flat)] = _sibling_state(opt, info)
+                    sibling = siblings.get(id(info.flat), {})
+                    states = _fsdp1_state(fqn, st, info, i, sibling)
+                    if states:
+                        out.optim_state[fqn] = states
             out.param_groups.append(
                 {**{k: v for k, v in g.items() if k != "params"}, "params": params}
             )
-            for p, fqn in zip(g["params"], params):
-                st = opt.state.get(p)
-                if st:
-                    out.optim_state[fqn] = dict(st)
+
+
+# -------------------------------------------------------------------------------------------
+# NOTE: [FSDP1 flat state] FSDP1 steps the optimizer on flat runs: with
+# ``use_orig_params=False`` the optimizer holds one FlatParameter per wrapped module and its
+# state is this rank's run of the flattened, concatenated parameters (padding included); with
+# ``use_orig_params=True`` it holds each original parameter as a 1-D view of its part of the run
+# (empty, and then without state, on a rank holding none of it). Either way each original
+# parameter's state on a rank is a contiguous range of its row-major index, which the FlatParameter
+# records (``_compat.fsdp1_flat_params``): read as a FlatShard, cut into at most 2 * (ndim - 1) + 1
+# boxes like a ZeRO-3 partition (NOTE: [ZeRO-3 partitions] in ``layout``), never gathered. (torch's
+# own ``FSDP.optim_state_dict`` all-gathers every parameter's state to re-chunk it by rows.)
+# 0-d state (``step``) is one value per FlatParameter, or per original parameter on each rank
+# holding part of it. Every rank names the same keys: a rank holding none of a parameter under
+# ``use_orig_params=True`` names its state (the names and dtypes its FlatParameter's other
+# parameters have here) with nothing held, so key lists stay identical on every rank (one digest,
+# NOTE: [bytes per rank] in ``collectives``).
+_Mapped = list[tuple[str, Any, int]]  # (canonical FQN, FlatParamInfo, index in it)
+
+
+def _fsdp1_parameters(
+    parts: list[torch.nn.Module], canons: list[Any], fqn_of: dict[int, str]
+) -> dict[int, _Mapped]:
+    """What each parameter the optimizer may hold of an FSDP1 FlatParameter holds, by its id.
+
+    A FlatParameter (``use_orig_params=False``) holds every original parameter it flattens; an
+    original parameter (``use_orig_params=True``) holds itself.
+    """
+    out: dict[int, _Mapped] = {}
+    for part, canon in zip(parts, canons):
+        for info in _compat.fsdp1_flat_params(part):
+            if info.params is not None:
+                for i, p in enumerate(info.params):
+                    if id(p) in fqn_of:
+                        out[id(p)] = [(fqn_of[id(p)], info, i)]
+            else:
+                fqns = [canon(info.prefix + f) for f in info.fqns]
+                out[id(info.flat)] = [(f, info, i) for i, f in enumerate(fqns)]
+    return out
+
+
+def _may_hold_state(p: Any, fsdp1: dict[int, _Mapped]) -> bool:
+    """False for an original FSDP1 parameter this rank holds none of (it never has state)."""
+    mapped = fsdp1.get(id(p))
+    if mapped is None or mapped[0][1].params is None:
+        return True
+    _, info, i = mapped[0]
+    return info.shards[i] is not None
+
+
+def _sibling_state(opt: torch.optim.Optimizer, info: Any) -> Mapping[str, Any]:
+    """Some state of the same FlatParameter's parameters here (else of any), for the names."""
+    for p in info.params or ():
+        st = opt.state.get(p)
+        if st:
+            return st
+    for st in opt.state.values():
+        if st:
+            return st
+    return {}
+
+
+def _fsdp1_state(
+    fqn: str, st: Mapping[str, Any] | None, info: Any, i: int, sibling: Mapping[str, Any]
+) -> dict[str, Any]:
+    """One original parameter's state as FlatShards (NOTE: [FSDP1 flat state])."""
+    shape, shard = info.shapes[i], info.shards[i]
+    start, numel, at = (shard[2], shard[1], shard[0]) if shard is not None else (0, 0, 0)
+    replicated = info.replicas > 1
+    owner = info.replica_index == 0
+    desc = f"FSDP1 {info.strategy} flat shard"
+    orig = info.params is not None
+    if not st:
+        if not orig or shard is not None:
+            return {}  # no state where it should be: matching names it as missing
+        st = {n: v for n, v in sibling.items() if isinstance(v, torch.Tensor)}
+        held = False
+    else:
+        held = True
+    out: dict[str, Any] = {}
+    for name, v in st.items():
+        if not isinstance(v, torch.Tensor):
+            out[name] = v
+            continue
+        if v.dim() == 0:
+            if not orig:
+                out[name] = v  # one value per FlatParameter, on every rank
+                continue
+            # One value per original parameter, on each rank holding part of it: counted once,
+            # on the rank holding its first element (ranks hold increasing runs).
+            data = v.reshape(1) if held else v.new_empty(0)
+            first = held and start == 0 and owner
+            out[name] = FlatShard(data, (), 0, True, first, desc)
+            continue
+        if not held:
+            out[name] = FlatShard(v.new_empty(0), shape, 0, replicated, owner, desc)
+            continue
+        expected = numel if orig else info.local_numel
+        if v.dim() != 1 or v.numel() != expected:
+            out[name] = FlatShard(
+                v.reshape(-1)[:0],
+                shape,
+                0,
+                replicated,
+                owner,
+                desc,
+                error=(
+                    f"{desc}: optimizer state of shape {tuple(v.shape)} where the flat run of "
+                    f"{fqn} holds {expected} elements: it cannot be mapped to the parameter"
+                ),
+            )
+            continue
+        data = v if orig else v.narrow(0, at, numel)
+        out[name] = FlatShard(data, shape, start, replicated, owner, desc)
+    return out
 
 
 def _torch_optimizer_state(

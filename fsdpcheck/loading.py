@@ -28,6 +28,7 @@ from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, refuse_problems
+from fsdpcheck.tolerances import checked_key_map
 from fsdpcheck.verification import verify as verify_full
 
 __all__ = ["CHECKPOINT_KINDS", "CheckpointKindError", "check_against_manifest", "load"]
@@ -102,6 +103,7 @@ def load(
         raise ValueError(f"verify must be 'fingerprint', 'full' or None, not {verify!r}")
     if expect not in (*CHECKPOINT_KINDS, None):
         raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
+    key_map = checked_key_map(key_map)
     comm = Comm(group)
     with cyclic_gc_paused():  # NOTE: [cyclic GC] in ``collectives``: objects per key
         # One parse of the metadata per rank, checked on rank 0 alone (NOTE: [metadata once

@@ -124,10 +124,7 @@ def verify(
     Returns:
         The Report, identical on every rank.
     """
-    if not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
-    if (rtol is not None and rtol < 0) or (atol is not None and atol < 0):
-        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
     t0 = time.perf_counter()
     comm = Comm(group)
     live, source, ckpt, error = None, None, None, None
@@ -144,10 +141,7 @@ def verify(
         except Exception as exc:
             error = error or describe_error(exc)
         try:
-            return _verify(
-                comm, t0, live, source, ckpt, error, reference,
-                CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
-            )  # fmt: skip
+            return _verify(comm, t0, live, source, ckpt, error, reference, settings)
         finally:
             if source is not None and source is not reference:  # a source given stays open
                 source.close()
@@ -177,7 +171,9 @@ def _verify(
     except Exception as exc:  # a local failure: every rank learns of it below
         error = describe_error(exc)
     word = _pairing_word(prepared)
-    if not same_everywhere(comm, word):
+    # Every rank decides alike: a failed rank's word is the sentinel, so when the words agree
+    # either every rank prepared or none did (one process included).
+    if not same_everywhere(comm, word) or prepared is None:
         groups, past = distinct(comm, error)
         failed = [g for g in groups if g.payload is not None]
         if failed:

@@ -85,6 +85,7 @@ DIST_NAMES = [
     "accelerate_full",
     "deepspeed_zero2",
     "deepspeed_zero3",
+    "deepspeed_universal",
     "megatron",
 ]
 LIVE_NAMES = [n for n in DIST_NAMES if not n.startswith(("deepspeed", "megatron"))]

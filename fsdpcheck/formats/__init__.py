@@ -24,6 +24,7 @@ from fsdpcheck.formats.base import (
 )
 from fsdpcheck.formats.dcp import Dcp
 from fsdpcheck.formats.deepspeed import DeepSpeed
+from fsdpcheck.formats.ds_universal import DeepSpeedUniversal
 from fsdpcheck.formats.files import TORCH_SAVE_SUFFIXES, Safetensors, TorchSave
 from fsdpcheck.formats.hf_storage import HFStorage
 from fsdpcheck.formats.lightning import Lightning
@@ -40,6 +41,7 @@ LAYOUTS: tuple[CheckpointLayout, ...] = (
     Lightning(),
     Torchtitan(),
     Dcp(),
+    DeepSpeedUniversal(),
     DeepSpeed(),
     TrainerCheckpoint(),
     Accelerate(),

@@ -15,6 +15,7 @@ import torch
 
 from fsdpcheck.errors import CheckpointError
 from fsdpcheck.formats import CheckpointInfo, describe_path
+from fsdpcheck.formats.ds_universal import is_universal_zero
 from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
@@ -110,6 +111,10 @@ def open_path(path: Path) -> Source:
         return hf_storage.HFStorageSource(path)
     if bin_index.is_bin_index(path):
         return bin_index.BinIndexSource(path)
+    if is_universal_zero(path):
+        from fsdpcheck.sources.ds_universal import UniversalZeroSource
+
+        return UniversalZeroSource(path)
     if path.is_dir():
         from fsdpcheck.sources.dcp import DCPSource
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from fsdpcheck._compat import tensor_kind_problem
 from fsdpcheck._unpickle import load_weights_only
+from fsdpcheck.layout import strides_problem
 from fsdpcheck.sources.base import (
     CheckpointError,
     Entry,
@@ -125,12 +127,11 @@ class TorchSaveSource(Source):
         for key, (path_t, value) in flat.items():
             self._values[key] = value
             if isinstance(value, torch.Tensor):
-                self._entries[key] = Entry(key, path_t, tuple(value.shape), value.dtype)
-                if value.layout != torch.strided:
-                    self._refused[key] = (
-                        f"{self.description}: {key} is a {value.layout} tensor; only dense "
-                        "tensors can be checked"
-                    )
+                shape = (value.size(0),) if value.is_nested else tuple(value.shape)
+                self._entries[key] = Entry(key, path_t, shape, value.dtype)
+                kind = tensor_kind_problem(value, quantized=False) or strides_problem(value)
+                if kind is not None:
+                    self._refused[key] = f"{self.description}: {key} is {kind}"
                 elif overlap_in_memory(value):
                     stored = value.untyped_storage().nbytes()
                     self._refused[key] = (

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import Entry, Region, Source, nested_entries, slices
+from fsdpcheck._compat import tensor_kind_problem
+from fsdpcheck.layout import strides_problem
+from fsdpcheck.sources.base import Entry, Problem, Region, Source, nested_entries, slices
 
 
 class MemorySource(Source):
@@ -28,8 +30,16 @@ class MemorySource(Source):
         nested_entries(dict(obj), (), flat)
         self._values: dict[str, Any] = {}
         self._entries: dict[str, Entry] = {}
+        self._problems: list[Problem] = []
         for key, (path, value) in flat.items():
             if isinstance(value, torch.Tensor):
+                kind = tensor_kind_problem(value, quantized=False) or strides_problem(value)
+                if kind is not None:
+                    self._problems.append((key, "error", f"{self.description}: {key} is {kind}"))
+                    shape = (value.size(0),) if value.is_nested else tuple(value.shape)
+                    self._entries[key] = Entry(key, path, shape, value.dtype)
+                    self._values[key] = value
+                    continue
                 value = value.detach()
                 self._entries[key] = Entry(key, path, tuple(value.shape), value.dtype)
             else:
@@ -39,6 +49,10 @@ class MemorySource(Source):
     def entries(self) -> dict[str, Entry]:
         """Every leaf of the mapping."""
         return self._entries
+
+    def problems(self) -> list[Problem]:
+        """Tensors whose elements cannot be read as a dense array (sparse, nested, meta ...)."""
+        return self._problems
 
     def read(
         self,

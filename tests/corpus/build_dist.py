@@ -26,6 +26,7 @@ BUILDERS = {
     "lightning": ("tests.corpus.fabric:build", "lightning", "lightning"),
     "accelerate": ("tests.corpus.accel:build", "accelerate", "accelerate"),
     "deepspeed": ("tests.corpus.ds:build", "deepspeed", "deepspeed"),
+    "deepspeed_universal": ("tests.corpus.ds_universal:build", "deepspeed", "deepspeed_universal"),
     "megatron": ("tests.corpus.megatron:build", "megatron.core", "megatron"),
 }
 
