@@ -26,7 +26,7 @@ import pickle
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -61,6 +61,7 @@ def compare_checkpoints(
     device: str | torch.device | None = None,
     memory_budget: int = 1 << 30,
     progress: Progress | None = None,
+    convert: Any = None,
 ) -> Report:
     """Compares every tensor of `actual` with the same tensor of `expected`.
 
@@ -83,6 +84,11 @@ def compare_checkpoints(
         memory_budget: Bytes of both checkpoints' data held at once (per process).
         progress: Called with (bytes done, bytes in all) as the comparison advances (under
             torchrun: this process's share).
+        convert: How `actual`'s layout becomes `expected`'s (``fsdpcheck.convert``: a function
+            ``F(state_dict) -> state_dict``, an adapter with ``to_hf``/``from_hf``, a spec or
+            its JSON file, ``"module:attr"``, a Conversion). Each tensor of `expected` is then
+            compared, piece by piece, with what the conversion makes of `actual`'s tensors,
+            without running it on any data; findings are in `expected`'s names and indices.
 
     Returns:
         A Report: "missing" (in `expected` only), "unexpected" (in `actual` only), "shape",
@@ -94,7 +100,7 @@ def compare_checkpoints(
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
     with _collector.paused():  # NOTE: [collector]
         settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
-        return _compare_checkpoints(actual, expected, settings, device, progress)
+        return _compare_checkpoints(actual, expected, settings, device, progress, convert)
 
 
 def _compare_checkpoints(
@@ -103,6 +109,7 @@ def _compare_checkpoints(
     settings: CheckSettings,
     device: str | torch.device | None,
     progress: Progress | None,
+    convert: Any = None,
 ) -> Report:
     t0 = time.perf_counter()
     session = offline_dist.current()
@@ -115,11 +122,17 @@ def _compare_checkpoints(
     try:
         infos = (_describe(actual), _describe(expected))
         world = session.world if session is not None and request is not None else 1
-        job = _CompareJob(sa, sb, settings, dev, world, progress)
+        job: _CompareJob | _ConvertedJob
+        if convert is not None:
+            job = _ConvertedJob(sa, sb, settings, dev, world, progress, convert)
+            if request is not None:  # the others compile the same conversion from its data
+                request = offline_dist.Request("compare", (*request.args, job.conv.to_spec()))
+        else:
+            job = _CompareJob(sa, sb, settings, dev, world, progress)
         if session is not None and request is not None:
             tally = session.run(request, job)
         else:
-            tally = job.measure(range(len(job.block_bytes)))
+            tally = job.measure(range(len(job.sizes())))
         report = job.report(tally, t0)
         for side, info in zip(("actual", "expected"), infos):
             report.notes += [f"{side}: {n}" for n in (info.notes if info else [])]
@@ -135,11 +148,20 @@ def serve_compare(
     expected: str,
     settings: CheckSettings,
     device: str | None,
-) -> _CompareJob:
-    """The job of a comparison another process of the launch asked for (``offline_dist``)."""
+    convert: dict[str, Any] | None = None,
+) -> _CompareJob | _ConvertedJob:
+    """The job of a comparison another process of the launch asked for (``offline_dist``).
+
+    `convert` is the compiled conversion's data (``Conversion.to_spec``) when there is one.
+    """
     sa, sb = _open_both(actual, expected)
+    job: _CompareJob | _ConvertedJob
     try:
-        job = _CompareJob(sa, sb, settings, session.device(device), session.world)
+        dev = session.device(device)
+        if convert is not None:
+            job = _ConvertedJob(sa, sb, settings, dev, session.world, None, convert)
+        else:
+            job = _CompareJob(sa, sb, settings, dev, session.world)
     except BaseException:
         sa.close()
         sb.close()
@@ -483,10 +505,9 @@ class _CompareJob:
         for i in tally.mismatched():
             rt, at = p.tols[i]
             f = Finding.value(
-                p.names[i], tally.stats(i), p.shapes[i], rtol=rt, atol=at, with_ranks=False
-            )
-            f.message = f.message.replace("on the checked side", "in actual")
-            f.message = f.message.replace("in the reference", "in expected")
+                p.names[i], tally.stats(i), p.shapes[i], rtol=rt, atol=at, with_ranks=False,
+                checked="in actual", reference="in expected",
+            )  # fmt: skip
             findings.append(f)
         report.elements_checked = tally.elements()
         report.bytes_read = self.bytes_read
@@ -498,6 +519,226 @@ class _CompareJob:
         report.findings = normalized(findings)
         report.seconds = time.perf_counter() - t0
         return report
+
+
+class _ConvertedJob:
+    """A comparison through a conversion: each pair is pieces of `actual`'s tensors.
+
+    The plan (``reading.plan.PiecePlan``) is the same on every process of a launch; findings
+    are keyed and indexed in `expected`'s names and coordinates, each maximum with the tensor
+    and index of `actual` it comes from.
+    """
+
+    def __init__(
+        self,
+        sa: Source,
+        sb: Source,
+        s: CheckSettings,
+        dev: torch.device,
+        world: int,
+        progress: Progress | None,
+        convert: Any,
+    ) -> None:
+        from dataclasses import replace
+
+        from fsdpcheck.checks import pair_checks, problem_findings
+        from fsdpcheck.convert import Piece, Target, compile_conversion
+        from fsdpcheck.reading.plan import PiecePlan, PlanPair, whole_piece
+
+        self.sa, self.sb, self.s, self.dev, self.progress = sa, sb, s, dev, progress
+        self.owns_sources = False
+        ka, kb = checkpoint_keys(sa), checkpoint_keys(sb)
+        sources = {
+            name: (r.entry.shape, r.entry.dtype)
+            for name, r in ka.model.items()
+            if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
+        }
+        other = set(kb.model) | {r.key for r in kb.rows}
+        self.conv = conv = compile_conversion(convert, sources, other_names=other)
+        self.skeleton = Report(
+            reference=sb.description, world_size=1, notes=[], side_a="actual",
+            side_b="expected",
+        )  # fmt: skip
+        self.skeleton.notes.append(
+            f"actual converted by {conv.description}: {len(conv.targets)} tensor(s) from "
+            f"{len(conv.sources)}"
+        )
+        self.skeleton.notes += conv.notes
+        # Side A's model tensors are the conversion's targets (its optimizer state is as saved).
+        converted = replace(ka, model=cast(dict[str, Any], dict(conv.targets)))
+        m = matching.match_checkpoints(
+            converted, kb, read_a=sa.read_objects,
+            read_b=sb.read_objects, key_map=s.key_map, ignore=s.ignore,
+        )  # fmt: skip
+        self.skeleton.notes += m.notes
+        self.skeleton.keys_a = len(conv.targets) + sum(
+            1 for r in ka.state.values() if r.entry.is_tensor
+        )
+        self.skeleton.keys_b = kb.tensor_count()
+        findings = list(m.findings)
+        rows = list(m.rows)
+        own_a = {name: r.key for name, r in ka.model.items()}
+        names_a = {r.key: r.name for r in ka.rows}
+        names_b = {r.key: r.name for r in kb.rows}
+        fa, bad_a = problem_findings(sa.problems(), lambda k: names_a.get(k, k), "actual: ")
+        fb, bad_b = problem_findings(sb.problems(), lambda k: names_b.get(k, k), "expected: ")
+        findings += fa + fb
+        gaps = conv.target_problems()
+        for name, message in gaps.items():
+            findings.append(Finding(name, "gap", message))
+        for name, (n, where) in conv.source_unused().items():
+            numel = math.prod(conv.sources[name][0])
+            findings.append(
+                Finding(
+                    name,
+                    "unexpected",
+                    f"{n} of its {numel} elements in actual are in no tensor the conversion "
+                    "writes" + (f" (e.g. {where})" if where else ""),
+                )
+            )
+        for name, why in sorted(conv.dropped.items()):
+            rows.append(MappingRow(name, None, "ignored", f"left out by the conversion: {why}"))
+        pairs: list[PlanPair] = []
+        self.tols: list[tuple[float, float]] = []
+        self.sources_of: list[Target | None] = []
+        self.bytes_read = 0
+        for pair in m.pairs:
+            eb = pair.b.entry
+            if isinstance(pair.a, Target):
+                t = pair.a
+                a_dtype = getattr(torch, t.dtype)
+                a_keys = {
+                    p.source: (own_a[p.source], *_shape_dtype(conv, p.source)) for p in t.pieces
+                }
+                pieces: Sequence[Piece] = t.pieces
+                shape = t.shape
+                broken = any(k in bad_a for k, _, _ in a_keys.values()) or t.name in gaps
+            else:
+                ea = pair.a.entry
+                a_dtype, shape = ea.dtype, tuple(ea.shape)
+                a_keys = {ea.key: (ea.key, shape, a_dtype)}
+                pieces = [whole_piece(ea.key, shape)]
+                broken = ea.key in bad_a
+            if broken or pair.b.key in bad_b:
+                rows.append(MappingRow(pair.name, pair.b.key, "skipped", "storage problem"))
+                continue
+            held = kb.placeholders.get(pair.b.key)
+            got, skip = pair_checks(
+                pair.name, (shape, a_dtype), (tuple(eb.shape), eb.dtype), matching.FILES,
+                check_dtype=s.check_dtype, placeholder=held,
+            )  # fmt: skip
+            findings += got
+            if skip is not None:
+                continue
+            assert eb.dtype is not None
+            self.tols.append(tolerance(a_dtype, eb.dtype, s.rtol, s.atol))
+            self.sources_of.append(pair.a if isinstance(pair.a, Target) else None)
+            pairs.append(PlanPair(pair.name, shape, pieces, a_keys, pair.b.key, eb.dtype))
+        self.rows = rows
+        self.findings = findings
+        self.step = batch_bytes(s.budget)
+        total = sum(
+            math.prod(p.shape) * (p.b_dtype.itemsize if p.b_dtype else 0) * 2 for p in pairs
+        )
+        self.piece = offline_dist.piece_bytes(total, world, self.step)
+        self.plan = PiecePlan(pairs, self.piece)
+        self.bytes_read = sum(self.plan.bytes)
+
+    # -- offline_dist.Job --------------------------------------------------------------------
+    def digest(self) -> int:
+        """The plan: the conversion, every pair and block, the tolerances."""
+        from fsdpcheck.collectives import digest
+
+        return digest(
+            (
+                self.conv.digest(),
+                self.piece,
+                len(self.findings),
+                [(p.name, p.b_key, p.shape) for p in self.plan.pairs],
+                self.tols,
+                [(i, q.offset, q.size, q.source) for i, q in self.plan.blocks],
+            )
+        )
+
+    def sizes(self) -> Sequence[int]:
+        """Bytes of each block (both sides)."""
+        return self.plan.bytes
+
+    def measure(self, items: range) -> list[KeyStats]:
+        """Compares the blocks `items` of the plan (reading them, two batches in flight)."""
+        from fsdpcheck.kernels import compare_each
+
+        plan = self.plan
+        stats = [KeyStats() for _ in plan.pairs]
+        sizes = plan.bytes
+        total, done = sum(sizes[items.start : items.stop]), 0
+        reads = (
+            (batch, [(self.sa, ra), (self.sb, rb)])
+            for batch, (ra, rb) in ((b, plan.regions(b)) for b in plan.batches(items, self.step))
+        )
+        for batch, (xa, xb) in Prefetcher(self.dev).run(reads):
+            va, vb, boxes = plan.views(batch, xa, xb)
+            pairs = [plan.blocks[j][0] for j in batch]
+            diffs = compare_each(
+                va, vb, boxes=boxes, settings=[(*self.tols[i], False) for i in pairs],
+                equal_nan=self.s.equal_nan,
+            )  # fmt: skip
+            for i, d, box in zip(pairs, diffs, boxes):
+                stats[i].holders = 1
+                stats[i].add(d, box)
+            done += sum(sizes[batch.start : batch.stop])
+            if self.progress is not None:
+                self.progress(done, total)
+        return stats
+
+    def combine(self, comm: Comm, stats: list[KeyStats]) -> list[Combined]:
+        """Every process's statistics combined (``collectives.combine``: one row per pair)."""
+        from fsdpcheck.collectives import combine
+
+        combined, _ = combine(comm, stats)
+        return combined
+
+    def close(self) -> None:
+        """Closes the checkpoints when this job opened them (a pass another process asked for)."""
+        if self.owns_sources:
+            self.sa.close()
+            self.sb.close()
+
+    def report(self, stats: Sequence[Any], t0: float) -> Report:
+        """The report: value findings in `expected`'s names, with where in `actual` they are."""
+        report = self.skeleton
+        findings = list(self.findings)
+        for i, (pair, c) in enumerate(zip(self.plan.pairs, stats)):
+            if c.mismatched <= 0:
+                continue
+            rt, at = self.tols[i]
+            f = Finding.value(
+                pair.name, c, pair.shape, rtol=rt, atol=at, with_ranks=False, checked="in actual",
+                reference="in expected",
+            )  # fmt: skip
+            target = self.sources_of[i]
+            if target is not None:
+                f.abs_source = _located(self.conv, target.name, c.max_abs_idx)
+                f.rel_source = _located(self.conv, target.name, c.max_rel_idx)
+            findings.append(f)
+        report.elements_checked = sum(c.numel for c in stats)
+        report.bytes_read = self.bytes_read
+        report.keys_checked = len(self.plan.pairs)
+        self.rows.sort(key=matching.row_order)
+        report.mapping = self.rows
+        report.findings = normalized(findings)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+
+def _shape_dtype(conv: Any, source: str) -> tuple[tuple[int, ...], torch.dtype]:
+    shape, dtype = conv.sources[source]
+    return shape, getattr(torch, dtype)
+
+
+def _located(conv: Any, target: str, index: int) -> tuple[str, tuple[int, ...]] | None:
+    """The source element a target element is made of (None without an index)."""
+    return conv.locate(target, index) if index >= 0 else None
 
 
 # Columns of an operator row summed per pair (after the elements, which the plan knows), and

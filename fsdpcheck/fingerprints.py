@@ -219,7 +219,11 @@ def _fingerprint_report(
 
 # -------------------------------------------------------------------------------------------
 def fingerprint_checkpoint(
-    path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
+    path: Any,
+    *,
+    ignore: Sequence[str] | None = None,
+    memory_budget: int = 1 << 30,
+    convert: Any = None,
 ) -> dict[str, int]:
     """The fingerprints of a checkpoint's model and optimizer tensors, offline (no process group).
 
@@ -234,15 +238,25 @@ def fingerprint_checkpoint(
         path: Any checkpoint ``fsdpcheck.describe_path`` recognises, or an in-memory mapping.
         ignore: fnmatch patterns of names or checkpoint keys to leave out.
         memory_budget: Bytes of checkpoint data held at once.
+        convert: A conversion of the checkpoint's model tensors (``fsdpcheck.convert``): the
+            fingerprints are then those of the converted layout, each piece hashed at its
+            converted global indices (equal to ``fingerprint_checkpoint`` of the converted
+            file); its optimizer state is hashed as it is.
 
     Returns:
         Canonical name -> fingerprint, sorted by name.
     """
-    return checkpoint_fingerprints(path, ignore=ignore, memory_budget=memory_budget)[0]
+    return checkpoint_fingerprints(
+        path, ignore=ignore, memory_budget=memory_budget, convert=convert
+    )[0]
 
 
 def checkpoint_fingerprints(
-    path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
+    path: Any,
+    *,
+    ignore: Sequence[str] | None = None,
+    memory_budget: int = 1 << 30,
+    convert: Any = None,
 ) -> tuple[dict[str, int], list[str]]:
     """``fingerprint_checkpoint`` and notes naming every tensor it did not fingerprint.
 
@@ -252,11 +266,11 @@ def checkpoint_fingerprints(
     if not isinstance(memory_budget, int) or memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive int, got {memory_budget!r}")
     with _collector.paused():  # NOTE: [collector]
-        return _checkpoint_fingerprints(path, ignore, memory_budget)
+        return _checkpoint_fingerprints(path, ignore, memory_budget, convert)
 
 
 def _checkpoint_fingerprints(
-    path: Any, ignore: Sequence[str] | None, memory_budget: int
+    path: Any, ignore: Sequence[str] | None, memory_budget: int, convert: Any = None
 ) -> tuple[dict[str, int], list[str]]:
     from fsdpcheck.sources.dcp import DCPSource
 
@@ -271,11 +285,17 @@ def _checkpoint_fingerprints(
     source = open_source(path)
     try:
         world = session.world if session is not None and request is not None else 1
-        job = _HashJob(source, ignore, memory_budget, world)
+        job: _HashJob | _ConvertedHashJob
+        if convert is not None:
+            job = _ConvertedHashJob(source, ignore, memory_budget, world, convert)
+            if request is not None:  # the others compile the same conversion from its data
+                request = offline_dist.Request("fingerprint", (*request.args, job.conv.to_spec()))
+        else:
+            job = _HashJob(source, ignore, memory_budget, world)
         if session is not None and request is not None:
             sums = session.run(request, job)
         else:
-            sums = job.measure(range(len(job.work)))
+            sums = job.measure(range(len(job.sizes())))
         out = job.fingerprints(sums)
         notes = job.notes
         tied = _manifest_ties(where)
@@ -290,12 +310,20 @@ def _checkpoint_fingerprints(
 
 
 def serve_fingerprints(
-    session: offline_dist.Session, path: str, ignore: Sequence[str] | None, memory_budget: int
-) -> _HashJob:
+    session: offline_dist.Session,
+    path: str,
+    ignore: Sequence[str] | None,
+    memory_budget: int,
+    convert: dict[str, Any] | None = None,
+) -> _HashJob | _ConvertedHashJob:
     """The job of fingerprints another process of the launch asked for (``offline_dist``)."""
     source = open_source(path)
+    job: _HashJob | _ConvertedHashJob
     try:
-        job = _HashJob(source, ignore, memory_budget, session.world)
+        if convert is not None:
+            job = _ConvertedHashJob(source, ignore, memory_budget, session.world, convert)
+        else:
+            job = _HashJob(source, ignore, memory_budget, session.world)
     except BaseException:
         source.close()
         raise
@@ -422,21 +450,7 @@ class _HashJob:
 
     def combine(self, comm: Any, sums: _Sums) -> _Sums:
         """Every process's sums added up (``collectives.combine``: one row per name)."""
-        from fsdpcheck.collectives import combine
-        from fsdpcheck.stats import KeyStats
-
-        stats = []
-        for fp, numel in zip(sums.fp.tolist(), sums.numel.tolist()):
-            s = KeyStats()
-            if numel:  # this process hashed part of it: its part counts (no replicas here)
-                s.holders, s.owner, s.box = 1, True, 0
-                s.fp, s.copy_numel = fp & MASK64, numel
-            stats.append(s)
-        combined, _ = combine(comm, stats)
-        return _Sums(
-            torch.tensor([_signed(c.fingerprint or 0) for c in combined], dtype=torch.int64),
-            torch.tensor([c.covered for c in combined], dtype=torch.int64),
-        )
+        return _combine_sums(comm, sums)
 
     def close(self) -> None:
         """Closes the checkpoint when this job opened it (a pass another process asked for)."""
@@ -446,6 +460,146 @@ class _HashJob:
     def fingerprints(self, sums: _Sums) -> dict[str, int]:
         """Name -> Fingerprint v1 (the sums as unsigned 64-bit ints)."""
         return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
+
+
+class _ConvertedHashJob:
+    """The fingerprints of a checkpoint's converted layout: its pieces hashed where they go.
+
+    Each target's pieces are read from the checkpoint (``reading.plan.PiecePlan``, side A
+    only), cast as the conversion says, and hashed at the target's global indices: the sum is
+    the target's Fingerprint v1, as the converted file's would be. Optimizer state is hashed as
+    it is saved.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        ignore: Sequence[str] | None,
+        budget: int,
+        world: int,
+        convert: Any,
+    ) -> None:
+        from fsdpcheck.convert import compile_conversion
+        from fsdpcheck.reading.plan import PiecePlan, PlanPair, whole_piece
+
+        self.source = source
+        self.owns_source = False
+        refuse_problems(source, source.description, "fingerprint it")
+        keys = checkpoint_keys(source)
+        sources = {
+            name: (r.entry.shape, r.entry.dtype)
+            for name, r in keys.model.items()
+            if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
+        }
+        self.conv = conv = compile_conversion(convert, sources)
+        self.notes: list[str] = [
+            f"converted by {conv.description}: {len(conv.targets)} tensor(s) from "
+            f"{len(conv.sources)}",
+            *conv.notes,
+        ]
+        broken = conv.target_problems()
+        if broken:
+            name, why = next(iter(broken.items()))
+            raise FingerprintError(f"{name}: {why}; its fingerprint would be wrong")
+        for name, (n, _) in sorted(conv.source_unused().items()):
+            self.notes.append(f"{name}: {n} element(s) are in no tensor the conversion writes")
+        own = {name: r.key for name, r in keys.model.items()}
+        pairs = []
+        for t in conv.targets.values():
+            if matching.is_ignored(ignore, t.name):
+                self.notes.append(f"{t.name}: excluded by the user")
+                continue
+            if getattr(torch, t.dtype) not in SUPPORTED_DTYPES:
+                raise FingerprintError(f"{t.name}: dtype {t.dtype} cannot be fingerprinted")
+            a_keys = {}
+            for p in t.pieces:
+                shape, dtype = conv.sources[p.source]
+                a_keys[p.source] = (own[p.source], shape, getattr(torch, dtype))
+            pairs.append(PlanPair(t.name, t.shape, t.pieces, a_keys))
+        for r in keys.state.values():
+            if not r.entry.is_tensor or matching.is_ignored(ignore, r.name, r.key):
+                continue
+            e = r.entry
+            if e.dtype not in SUPPORTED_DTYPES:
+                raise FingerprintError(f"{r.key}: dtype {e.dtype} cannot be fingerprinted")
+            shape = tuple(e.shape)
+            pairs.append(
+                PlanPair(
+                    r.name, shape, [whole_piece(r.key, shape)], {r.key: (r.key, shape, e.dtype)}
+                )
+            )
+        self.step = batch_bytes(budget)
+        total = sum(math.prod(p.shape) * 4 for p in pairs)
+        self.piece = offline_dist.piece_bytes(total, world, self.step)
+        self.plan = PiecePlan(pairs, self.piece)
+        self.names = [p.name for p in pairs]
+
+    def digest(self) -> int:
+        """The plan: the conversion, the names and every block."""
+        from fsdpcheck.collectives import digest
+
+        return digest(
+            (
+                self.conv.digest(),
+                self.piece,
+                self.names,
+                [(i, q.offset, q.size, q.source) for i, q in self.plan.blocks],
+            )
+        )
+
+    def sizes(self) -> list[int]:
+        """Bytes of each block."""
+        return self.plan.bytes
+
+    def measure(self, items: range) -> _Sums:
+        """Hashes the blocks `items` of the plan at their converted global indices."""
+        n = len(self.names)
+        sums = _Sums(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
+        plan = self.plan
+        reads = (
+            (batch, [(self.source, plan.regions(batch)[0])])
+            for batch in plan.batches(items, self.step)
+        )
+        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(reads):
+            views, _, boxes = plan.views(batch, tensors, [])
+            fps = fingerprint_tensors(views, boxes=boxes)
+            ids = torch.tensor([plan.blocks[j][0] for j in batch], dtype=torch.int64)
+            sums.fp.index_add_(0, ids, torch.tensor([_signed(f) for f in fps], dtype=torch.int64))
+            numel = [v.numel() for v in views]
+            sums.numel.index_add_(0, ids, torch.tensor(numel, dtype=torch.int64))
+        return sums
+
+    def combine(self, comm: Any, sums: _Sums) -> _Sums:
+        """Every process's sums added up (``collectives.combine``: one row per name)."""
+        return _combine_sums(comm, sums)
+
+    def close(self) -> None:
+        """Closes the checkpoint when this job opened it (a pass another process asked for)."""
+        if self.owns_source:
+            self.source.close()
+
+    def fingerprints(self, sums: _Sums) -> dict[str, int]:
+        """Name -> Fingerprint v1 of the converted layout."""
+        return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
+
+
+def _combine_sums(comm: Any, sums: _Sums) -> _Sums:
+    """Every process's sums added up (``collectives.combine``: one row per name)."""
+    from fsdpcheck.collectives import combine
+    from fsdpcheck.stats import KeyStats
+
+    stats = []
+    for fp, numel in zip(sums.fp.tolist(), sums.numel.tolist()):
+        s = KeyStats()
+        if numel:  # this process hashed part of it: its part counts (no replicas here)
+            s.holders, s.owner, s.box = 1, True, 0
+            s.fp, s.copy_numel = fp & MASK64, numel
+        stats.append(s)
+    combined, _ = combine(comm, stats)
+    return _Sums(
+        torch.tensor([_signed(c.fingerprint or 0) for c in combined], dtype=torch.int64),
+        torch.tensor([c.covered for c in combined], dtype=torch.int64),
+    )
 
 
 def _signed(u: int) -> int:

@@ -33,6 +33,7 @@ Ops, applied in order (to every tensor of the list until a ``cat``/``stack`` mak
 inverse: the RoPE permutation within each head that torchtitan's and torchtune's HF adapters
 apply: ``view(heads, hd/2, 2, ...).transpose(1, 2)``; inverse: from HF), ``cast`` (dtype),
 ``cat`` / ``stack`` (dim), ``split`` (dim, sizes), ``chunk`` (chunks, dim), ``unbind`` (dim).
+An op with ``"at": i`` applies to the i-th tensor of the list only (k of a split k and v).
 A spec is compiled by running these ops on the tracer, like any callable.
 """
 
@@ -254,6 +255,15 @@ def permute_heads(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.T
 
 def _apply(op: Mapping[str, Any], values: Any) -> Any:
     name = op["op"]
+    if "at" in op:  # one tensor of the list only (after a split: k of k and v)
+        if not isinstance(values, list):
+            raise ConversionError(f"spec: op {name!r} has 'at' but applies to one tensor")
+        at = _int(op, "at")
+        if not -len(values) <= at < len(values):
+            raise ConversionError(f"spec: op {name!r} 'at' {at} of {len(values)} tensors")
+        values = list(values)
+        values[at] = _apply({k: v for k, v in op.items() if k != "at"}, values[at])
+        return values
     if name in ("cat", "stack"):
         if not isinstance(values, list):
             values = [values]
