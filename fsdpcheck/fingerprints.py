@@ -64,6 +64,7 @@ def fingerprint(
     *,
     optimizer: Any = None,
     group: Any = None,
+    convert: Any = None,
 ) -> dict[str, int]:
     """Fingerprint v1 of every model (and optimizer) entry, identical on every rank.
 
@@ -78,6 +79,11 @@ def fingerprint(
         model_or_state_dict: An nn.Module or a state dict of DTensors / ShardedTensors / tensors.
         optimizer: An optimizer (with a module) or an FQN-keyed optimizer state dict.
         group: The process group (default: the default group, or none).
+        convert: A conversion of the model's layout (``fsdpcheck.convert``): the fingerprints
+            are then those of the converted layout (each rank hashes the parts of the converted
+            tensors its shards hold at their converted global indices; no data moves), equal to
+            ``fingerprint_checkpoint`` of a converted file. None: the model's own declared
+            conversion, if any.
 
     Returns:
         Key -> fingerprint, sorted; optimizer entries are keyed ``optim.state.<fqn>.<name>``.
@@ -85,8 +91,10 @@ def fingerprint(
     Raises:
         FingerprintError: On every rank, when a value cannot be fingerprinted.
     """
-    result = fingerprint_report(model_or_state_dict, optimizer=optimizer, group=group)
-    bad = [f for f in result.findings if f.kind in ("layout", "error", "missing")]
+    result = fingerprint_report(
+        model_or_state_dict, optimizer=optimizer, group=group, convert=convert
+    )
+    bad = [f for f in result.findings if f.kind in ("layout", "error", "missing", "gap")]
     if bad:
         raise FingerprintError("; ".join(f"{f.key}: {f.message}" for f in bad))
     return result.fingerprints
@@ -119,6 +127,7 @@ def fingerprint_report(
     *,
     optimizer: Any = None,
     group: Any = None,
+    convert: Any = None,
 ) -> FingerprintResult:
     """Fingerprints and replica findings in one pass (see ``fingerprint``).
 
@@ -129,13 +138,14 @@ def fingerprint_report(
     check compares every copy with them.
     """
     with _collector.paused():  # NOTE: [collector]: objects per key
-        return _fingerprint_report(model_or_state_dict, optimizer, group)
+        return _fingerprint_report(model_or_state_dict, optimizer, group, convert)
 
 
 def _fingerprint_report(
     model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
     optimizer: Any,
     group: Any,
+    convert: Any = None,
 ) -> FingerprintResult:
     from fsdpcheck.collectives import Comm, combine, gather_findings
     from fsdpcheck.keyset import agree_keys
@@ -148,6 +158,10 @@ def _fingerprint_report(
     live = None
     error = None
     try:
+        if convert is None:
+            from fsdpcheck.convert.declared import declared_conversion
+
+            convert = declared_conversion(model_or_state_dict)
         live = live_state(model_or_state_dict, optimizer)
     except Exception as exc:  # never leave the other ranks waiting in the agreement below
         error = describe_error(exc)
@@ -158,6 +172,8 @@ def _fingerprint_report(
         result.findings = [Finding("*", "error", ks.error, rank=rank, ranks=ks.error_ranks)]
         return result
     assert live is not None
+    if convert is not None:
+        return _converted_fingerprints(comm, ks, live, convert, result)
     result.tied = dict(ks.live.tied)
     result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
@@ -215,6 +231,120 @@ def _fingerprint_report(
         result.fingerprints[key] = c.fingerprint
     result.findings = normalized(findings)
     return result
+
+
+def _converted_fingerprints(
+    comm: Any, ks: Any, live: Any, convert: Any, result: FingerprintResult
+) -> FingerprintResult:
+    """``fingerprint`` through a conversion: the parts of the targets each rank holds, hashed.
+
+    Every rank compiles the conversion from the job's names and global shapes (the same
+    everywhere, or the same error everywhere), hashes the parts of each target its shards hold
+    at the target's global indices, and the sums are combined as for any key: a target's
+    fingerprint is that of the converted tensor.
+    """
+    from fsdpcheck.collectives import combine, gather_findings
+    from fsdpcheck.layout import Meta
+    from fsdpcheck.reading.live import compile_for_live, local_parts, source_layouts
+    from fsdpcheck.reading.plan import kernel_box
+    from fsdpcheck.stats import KeyStats
+
+    try:
+        conv = compile_for_live(convert, ks.live)
+    except Exception as exc:  # compiled from agreed names: every rank fails alike
+        result.findings = [Finding("*", "error", describe_error(exc))]
+        return result
+    local: list[Finding] = [Finding(k, kind, msg) for k, kind, msg in live.problems]
+    broken = conv.target_problems()
+    for name, why in broken.items():
+        local.append(Finding(name, "gap", why))
+    values = live.tensors()
+    state = {k: v for k, v in ks.live.tensors().items() if k.startswith("optim.state.")}
+    keys = sorted(set(conv.targets) | set(state))
+    result.metas = {k: state[k] for k in state}
+    result.metas.update({k: Meta(t.shape, t.dtype) for k, t in conv.targets.items()})
+    stats = [KeyStats() for _ in keys]
+    shapes = {k: v[0] for k, v in conv.sources.items()}
+    cache: dict[str, Any] = {}
+    try:
+        tensors: list[torch.Tensor] = []
+        boxes: list[Any] = []
+        owners: list[int] = []
+        for i, key in enumerate(keys):
+            t = conv.targets.get(key)
+            if t is None:  # optimizer state: hashed as it is
+                value = values.get(key)
+                if value is None:
+                    continue
+                lay = result.layouts[key] = local_layout_of(value, comm.world)
+                if lay.error is not None or lay.dtype not in SUPPORTED_DTYPES:
+                    local.append(Finding(key, "layout", lay.error or f"dtype {lay.dtype}"))
+                    stats[i].errors = 1
+                    continue
+                stats[i].holders, stats[i].owner, stats[i].mesh_ranks = 1, lay.owner, lay.mesh_ranks
+                if lay.pieces:
+                    stats[i].fp = 0
+                for piece in lay.pieces:
+                    tensors.append(piece.tensor)
+                    boxes.append(piece.box)
+                    owners.append(i)
+                continue
+            if key in broken:
+                stats[i].errors = 1
+                continue
+            layouts, err = source_layouts(t, values, comm.world, cache)
+            if err is not None:
+                local.append(Finding(key, "layout", err))
+                stats[i].errors = 1
+                continue
+            if not layouts:
+                continue  # another stage's
+            if getattr(torch, t.dtype) not in SUPPORTED_DTYPES:
+                local.append(Finding(key, "layout", f"dtype {t.dtype} cannot be fingerprinted"))
+                stats[i].errors = 1
+                continue
+            first = next(iter(layouts.values()))
+            stats[i].holders, stats[i].owner = 1, first.owner
+            stats[i].mesh_ranks = first.mesh_ranks
+            stats[i].fp = 0
+            for view, q in local_parts(t, layouts, shapes, 1 << 62, for_reading=False):
+                tensors.append(view)
+                boxes.append(kernel_box(q))
+                owners.append(i)
+        fps = fingerprint_tensors(tensors, boxes=boxes) if tensors else []
+        for i, box, fp, tensor in zip(owners, boxes, fps, tensors):
+            stats[i].add_copy(fp, box, tensor.numel())
+    except Exception as exc:  # never leave the other ranks waiting in the reductions below
+        local.append(Finding("*", "error", describe_error(exc)))
+    combined, _ = combine(comm, stats)
+    findings = list(ks.findings) + gather_findings(comm, local)
+    for key, c in zip(keys, combined):
+        if c.errors or c.fingerprint is None:
+            continue
+        t = conv.targets.get(key)
+        numel = math.prod(t.shape if t is not None else state[key].shape)
+        if c.replicas_disagree:
+            findings.append(Finding.replica(key, c.replica_groups))
+        if c.covered != numel:
+            findings.append(
+                Finding(
+                    key,
+                    "layout",
+                    f"the ranks' parts cover {c.covered} of {numel} elements (overlapping or "
+                    "missing shards); its fingerprint would be wrong",
+                )
+            )
+            continue
+        result.fingerprints[key] = c.fingerprint
+    result.findings = normalized(findings)
+    return result
+
+
+def local_layout_of(value: Any, world: int) -> Layout:
+    """``layout.local_layout`` (imported where used: offline fingerprints need none of it)."""
+    from fsdpcheck.layout import local_layout
+
+    return local_layout(value, world)
 
 
 # -------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
+from fsdpcheck.checks import pair_checks
 from fsdpcheck.collectives import (
     Comm,
     combine,
@@ -35,6 +36,9 @@ from fsdpcheck.collectives import (
     gather_findings,
     same_everywhere,
 )
+from fsdpcheck.convert import Conversion, Piece, Target
+from fsdpcheck.convert.declared import declared_conversion
+from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.errors import describe_error
 from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
 from fsdpcheck.keys import checkpoint_keys
@@ -42,8 +46,16 @@ from fsdpcheck.keyset import KeySet, agree_keys
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState, live_state
 from fsdpcheck.opening import open_checked
+from fsdpcheck.reading.live import (
+    compile_for_live,
+    converted_state,
+    coverage,
+    local_parts,
+    source_layouts,
+)
+from fsdpcheck.reading.plan import kernel_box, target_view
 from fsdpcheck.readplan import Arena, row_blocks
-from fsdpcheck.report import Finding, Report, normalized
+from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Region, Source, checkpoint_notes, prefetch
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.tiling import intersect, uncovered
@@ -62,6 +74,8 @@ class _Work:
     ref_dtype: torch.dtype
     tol: tuple[float, float]
     fingerprint: bool
+    piece: Piece | None = None  # through a conversion: the part of the target compared
+    target_shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -73,6 +87,9 @@ class _Prepared:
     layouts: list[Layout | None] = field(default_factory=list)  # None: not compared here
     blocked: set[int] = field(default_factory=set)  # held here, but a finding says why not
     findings: list[Finding] = field(default_factory=list)
+    conv: Conversion | None = None
+    # Through a conversion: pair -> this rank's layouts of the sources its target reads.
+    converted: dict[int, dict[str, Layout]] = field(default_factory=dict)
 
 
 def verify(
@@ -88,6 +105,7 @@ def verify(
     ignore: Sequence[str] | None = None,
     memory_budget: int = 1 << 30,
     group: Any = None,
+    convert: Any = None,
 ) -> Report:
     """Checks every rank's shards of a model (and optimizer) against a reference checkpoint.
 
@@ -120,6 +138,14 @@ def verify(
             keys are listed in ``Report.mapping`` as "ignored".
         memory_budget: Bytes of reference data held at once per rank.
         group: The process group (default: the default group; none needed for one process).
+        convert: How the live layout (what ``model.state_dict()`` returns) becomes the
+            reference's (``fsdpcheck.convert``: a function ``F(state_dict) -> state_dict``
+            such as a torchtitan ``StateDictAdapter(...).to_hf``, an adapter, a spec, a
+            Conversion). Every rank compiles it from the job's names and global shapes, once,
+            without running it on data, and compares the parts of the converted tensors its
+            shards hold; findings are in the reference's names and indices, with the live
+            key, index and rank of each maximum. None: the model's own declared conversion
+            (``fsdpcheck.convert.declared``), if any.
 
     Returns:
         The Report, identical on every rank.
@@ -133,6 +159,8 @@ def verify(
     live, source, ckpt, error = None, None, None, None
     with cyclic_gc_paused():
         try:
+            if convert is None:
+                convert = declared_conversion(model)
             live = live_state(model, optimizer)
         except Exception as exc:  # whatever happens here, every rank reaches the agreement below
             error = describe_error(exc)
@@ -147,6 +175,7 @@ def verify(
             return _verify(
                 comm, t0, live, source, ckpt, error, reference,
                 CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget),
+                convert,
             )  # fmt: skip
         finally:
             if source is not None and source is not reference:  # a source given stays open
@@ -162,6 +191,7 @@ def _verify(
     error: str | None,
     reference: Any,
     s: CheckSettings,
+    convert: Any = None,
 ) -> Report:
     """The protocol of the module docstring, once every rank has opened what it could."""
     described = source.description if source is not None else str(reference)
@@ -173,7 +203,7 @@ def _verify(
     # Pairing the job's names: the same on every rank. Then this rank's own values and checks.
     prepared: _Prepared | None = None
     try:
-        prepared = _prepare(ks, live, source, ckpt, s, comm.world)
+        prepared = _prepare(ks, live, source, ckpt, s, comm.world, convert)
     except Exception as exc:  # a local failure: every rank learns of it below
         error = describe_error(exc)
     word = _pairing_word(prepared)
@@ -214,7 +244,11 @@ def _verify(
         if c.mismatched > 0:
             dtype = getattr(torch, item.value.dtype) if item.value is not None else entry.dtype
             rtol_, atol_ = tolerance(dtype, entry.dtype, s.rtol, s.atol)
-            findings.append(Finding.value(item.key, c, entry.shape, rtol=rtol_, atol=atol_))
+            f = Finding.value(item.key, c, entry.shape, rtol=rtol_, atol=atol_)
+            if isinstance(item.value, Target) and prepared.conv is not None:
+                f.abs_source = _located(prepared.conv, item.key, c.max_abs_idx)
+                f.rel_source = _located(prepared.conv, item.key, c.max_rel_idx)
+            findings.append(f)
         if c.replicas_disagree:
             findings.append(Finding.replica(item.key, c.replica_groups))
     report.findings = _everywhere(normalized(findings), comm.world)
@@ -225,6 +259,14 @@ def _verify(
     report.bytes_read = totals.bytes_read
     report.seconds = totals.seconds
     report.notes = list(m.notes) + checkpoint_notes(source)
+    if prepared.conv is not None:
+        conv = prepared.conv
+        report.notes.insert(
+            0,
+            f"the live model converted by {conv.description}: {len(conv.targets)} tensor(s) "
+            f"from {len(conv.sources)}",
+        )
+        report.notes += conv.notes
     if ks.stages > 1:
         report.notes.append(
             f"the ranks hold {ks.stages} different sets of keys (pipeline stages): each key was "
@@ -269,7 +311,12 @@ def _identity(ckpt: matching.CheckpointKeys | None) -> str:
 def _pairing_word(prepared: _Prepared | None) -> int:
     if prepared is None:
         return -1 & ((1 << 63) - 1)
-    return digest([(i.key, i.ckpt_key) for i in prepared.match.items])
+    conv = prepared.conv.digest() if prepared.conv is not None else ""
+    return digest((conv, [(i.key, i.ckpt_key) for i in prepared.match.items]))
+
+
+def _located(conv: Conversion, target: str, index: int) -> tuple[str, tuple[int, ...]] | None:
+    return conv.locate(target, index) if index >= 0 else None
 
 
 # -------------------------------------------------------------------------------------------
@@ -280,21 +327,41 @@ def _prepare(
     ckpt: matching.CheckpointKeys,
     s: CheckSettings,
     world: int,
+    convert: Any = None,
 ) -> _Prepared:
     """The pairing of the job's names, this rank's values, and its per-key checks (local)."""
+    job, conv = ks.live, None
+    extra: list[Finding] = []
+    rows: list[MappingRow] = []
+    if convert is not None:
+        # The same on every rank: compiled from the job's names and global shapes.
+        other = set(ckpt.model) | {r.key for r in ckpt.rows}
+        conv = compile_for_live(convert, ks.live, other)
+        job = converted_state(ks.live, conv)
+        extra, rows = coverage(conv)
     m = matching.match_live(
-        ks.live, ckpt, read_objects=source.read_objects, key_map=s.key_map, ignore=s.ignore
+        job, ckpt, read_objects=source.read_objects, key_map=s.key_map, ignore=s.ignore
     )
     values = live.tensors()
     values.update(live.buffers)
-    prepared = _Prepared(source, ckpt, m, [values.get(item.key) for item in m.items])
+    held = [
+        item.value if isinstance(item.value, Target) else values.get(item.key) for item in m.items
+    ]
+    prepared = _Prepared(source, ckpt, m, held, conv=conv)
+    if conv is not None:
+        m.rows += rows
+        prepared.findings += extra
     prepared.findings += [Finding(key, kind, message) for key, kind, message in live.problems]
-    _check_keys(prepared, live.requires_grad, s.check_dtype, world)
+    _check_keys(prepared, live.requires_grad, s.check_dtype, world, values)
     return prepared
 
 
 def _check_keys(
-    p: _Prepared, live_requires_grad: Mapping[str, bool], check_dtype: bool, world: int
+    p: _Prepared,
+    live_requires_grad: Mapping[str, bool],
+    check_dtype: bool,
+    world: int,
+    values: Mapping[str, Any] | None = None,
 ) -> None:
     """Storage problems, layout, shape, dtype and requires_grad of each matched item.
 
@@ -308,12 +375,18 @@ def _check_keys(
     for key, kind, message in p.source.problems():
         problems.setdefault(key, (kind, message))
         p.findings.append(Finding(live_name.get(key, key), kind, message))
+    gaps = set(p.conv.target_problems()) if p.conv is not None else set()
+    cache: dict[str, Layout] = {}
     for i, item in enumerate(p.match.items):
         entry = entries[item.ckpt_key]
         p.layouts.append(None)
         value = p.values[i]
         if value is None:
             continue  # another rank's key (a pipeline stage this rank is not in)
+        if isinstance(value, Target):
+            bad = item.ckpt_key in problems or value.name in gaps
+            _check_target(p, i, value, entry, check_dtype, world, values or {}, cache, bad)
+            continue
         p.blocked.add(i)  # until the checks below pass
         lay = local_layout(value, world)
         if item.ckpt_key in problems:
@@ -364,6 +437,38 @@ def _check_keys(
             )
 
 
+def _check_target(
+    p: _Prepared,
+    i: int,
+    t: Target,
+    entry: Any,
+    check_dtype: bool,
+    world: int,
+    values: Mapping[str, Any],
+    cache: dict[str, Layout],
+    bad: bool,
+) -> None:
+    """The checks of a converted target, and this rank's layouts of the sources it reads."""
+    layouts, error = source_layouts(t, values, world, cache)
+    if not layouts and error is None:
+        return  # no source held here (another pipeline stage's)
+    p.blocked.add(i)
+    if error is not None:
+        p.findings.append(Finding(t.name, "layout", error))
+        return
+    if bad:  # a gap in its pieces, or a storage problem of its entry: a finding says so
+        return
+    held = p.keys.placeholders.get(entry.key)
+    got, skip = pair_checks(
+        t.name, (t.shape, getattr(torch, t.dtype)), (tuple(entry.shape), entry.dtype),
+        matching.LIVE, check_dtype=check_dtype, placeholder=held,
+    )  # fmt: skip
+    p.findings += got
+    if skip is None:
+        p.converted[i] = layouts
+        p.blocked.discard(i)
+
+
 # -------------------------------------------------------------------------------------------
 def _compare_values(
     p: _Prepared, stats: list[KeyStats], findings: list[Finding], s: CheckSettings
@@ -382,6 +487,9 @@ def _compare_values(
     batches: dict[torch.device, list[list[_Work]]] = {}
     held: dict[torch.device, int] = {}
     for i, (item, lay) in enumerate(zip(p.match.items, p.layouts)):
+        if i in p.converted:
+            _converted_works(p, i, stats[i], s, step, cap, batches, held)
+            continue
         if lay is None:
             if i in p.blocked:
                 stats[i].errors += 1
@@ -434,6 +542,10 @@ def _compare_values(
         run = _prefetched if ahead else _direct
         for works, refs in run(p.source, device, todo, failed):
             done += sum(r.numel() * r.element_size() for r in refs)
+            refs = [
+                r if w.piece is None else target_view(r, w.piece, w.target_shape)
+                for w, r in zip(works, refs)
+            ]
             diffs = compare_each(
                 [w.actual for w in works],
                 refs,
@@ -445,6 +557,46 @@ def _compare_values(
                 stats[w.key_index].add(diff, w.box)
             del refs
     return done
+
+
+def _converted_works(
+    p: _Prepared,
+    i: int,
+    stats: KeyStats,
+    s: CheckSettings,
+    step: int,
+    cap: int,
+    batches: dict[torch.device, list[list[_Work]]],
+    held: dict[torch.device, int],
+) -> None:
+    """The parts of a converted target this rank's shards hold, added to the batches."""
+    assert p.conv is not None
+    item = p.match.items[i]
+    t = item.value
+    entry = p.source.entries()[item.ckpt_key]
+    assert isinstance(t, Target) and entry.dtype is not None
+    layouts = p.converted[i]
+    first = next(iter(layouts.values()))
+    stats.owner, stats.mesh_ranks = first.owner, first.mesh_ranks
+    tol = tolerance(getattr(torch, t.dtype), entry.dtype, s.rtol, s.atol)
+    elsize = entry.dtype.itemsize
+    shapes = {src: p.conv.sources[src][0] for src in layouts}
+    most = max(1, step // max(1, elsize))
+    stats.holders = 1
+    for view, q in local_parts(t, layouts, shapes, most, for_reading=True):
+        off, size, _ = target_box(q, t.shape)
+        dev = view.device
+        mine = batches.setdefault(dev, [])
+        w = _Work(
+            i, view, kernel_box(q), Region(item.ckpt_key, off, size), entry.dtype, tol, False,
+            q, t.shape,
+        )  # fmt: skip
+        nbytes = math.prod(size) * elsize
+        if not mine or held[dev] + nbytes > step or len(mine[-1]) >= cap:
+            mine.append([])
+            held[dev] = 0
+        mine[-1].append(w)
+        held[dev] += nbytes
 
 
 #: Batches of pieces with the reference regions read for them.

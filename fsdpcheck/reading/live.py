@@ -1,0 +1,133 @@
+"""A live model through a conversion: its shards cut into the pieces of the converted layout.
+
+Every rank compiles the same conversion from the job's agreed names and global shapes
+(``convert.compile_conversion``: F runs once on shape-only tensors, never on a shard), pairs
+its targets with the checkpoint, and then, for each piece, takes the part its own shards of the
+piece's source hold (``pieces.within``): a strided view of a local shard, compared with (or
+hashed at) the piece's box of the target. Nothing is gathered and no data moves between ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from fsdpcheck.convert import Conversion, Target, compile_conversion
+from fsdpcheck.convert.pieces import Piece, cut, split_for_reading, within
+from fsdpcheck.layout import Layout, local_layout
+from fsdpcheck.live import LiveState
+from fsdpcheck.reading.plan import source_view
+from fsdpcheck.report import Finding, MappingRow
+
+Shape = tuple[int, ...]
+
+
+def compile_for_live(
+    convert: Any, job: LiveState, other_names: set[str] | None = None
+) -> Conversion:
+    """The conversion of the job's model names (the same on every rank that agreed on them).
+
+    Tied duplicates that the conversion leaves out are listed as dropped on purpose.
+    """
+    sources = {
+        name: (meta.shape, getattr(torch, meta.dtype))
+        for name, meta in job.model.items()
+        if name not in job.buffers
+    }
+    purpose = {dup: f"tied to {first}" for dup, first in job.tied.items()}
+    return compile_conversion(convert, sources, other_names=other_names, purpose=purpose)
+
+
+def converted_state(job: LiveState, conv: Conversion) -> LiveState:
+    """The job's names with the model tensors replaced by the conversion's targets.
+
+    The optimizer's state keeps its names (the parameters' as live); non-persistent buffers are
+    not part of what the conversion is given.
+    """
+    return dataclasses.replace(
+        job, model=dict(conv.targets), tied={}, buffers={}, requires_grad={}, adapters=()
+    )
+
+
+def coverage(conv: Conversion, words_a: str = "live") -> tuple[list[Finding], list[MappingRow]]:
+    """Findings for targets the pieces do not tile and source elements no target reads.
+
+    Returns:
+        Gap findings (target names), unexpected findings (source names), and a mapping row per
+        source the conversion leaves out on purpose, with its reason.
+    """
+    import math
+
+    findings = [Finding(name, "gap", why) for name, why in conv.target_problems().items()]
+    for name, (n, where) in conv.source_unused().items():
+        numel = math.prod(conv.sources[name][0])
+        findings.append(
+            Finding(
+                name,
+                "unexpected",
+                f"{n} of its {numel} elements {words_a} are in no tensor the conversion writes"
+                + (f" (e.g. {where})" if where else ""),
+            )
+        )
+    rows = [
+        MappingRow(name, None, "ignored", f"left out by the conversion: {why}")
+        for name, why in sorted(conv.dropped.items())
+    ]
+    return findings, rows
+
+
+def source_layouts(
+    target: Target, values: Mapping[str, Any], world: int, cache: dict[str, Layout]
+) -> tuple[dict[str, Layout], str | None]:
+    """This rank's layout of each source a target reads (those it holds), or why not."""
+    out: dict[str, Layout] = {}
+    for p in target.pieces:
+        if p.source in out or p.source not in values:
+            continue
+        lay = cache.get(p.source)
+        if lay is None:
+            lay = cache[p.source] = local_layout(values[p.source], world)
+        if lay.error is not None:
+            return out, f"{p.source}: {lay.error}"
+        out[p.source] = lay
+    return out, None
+
+
+def local_parts(
+    target: Target,
+    layouts: Mapping[str, Layout],
+    shapes: Mapping[str, Shape],
+    most: int,
+    *,
+    for_reading: bool,
+) -> Iterator[tuple[torch.Tensor, Piece]]:
+    """Each part of the target this rank's shards hold: its view (cast), and its piece.
+
+    Args:
+        target: The target.
+        layouts: This rank's layouts of the sources it holds.
+        shapes: Each source's global shape.
+        most: Elements per part at most (the batch's share).
+        for_reading: The target's region will be read (cut so that it reads at most twice the
+            part's elements); else the part is hashed only.
+    """
+    for p in target.pieces:
+        lay = layouts.get(p.source)
+        if lay is None or p.numel == 0:
+            continue
+        shape = shapes[p.source]
+        for lp in lay.pieces:
+            assert lp.box.offset is not None
+            if lp.tensor.numel() == 0:
+                continue
+            for sub in within(p, shape, lp.box.offset, tuple(lp.tensor.shape)):
+                parts = split_for_reading(sub, target.shape) if for_reading else [sub]
+                for q in parts:
+                    for r in cut(q, most):
+                        yield source_view(lp.tensor, lp.box.offset, r, shape), r
+
+
+__all__ = ["compile_for_live", "converted_state", "coverage", "local_parts", "source_layouts"]
