@@ -245,12 +245,17 @@ def _converted_fingerprints(
     """
     from fsdpcheck.collectives import combine, gather_findings
     from fsdpcheck.layout import Meta
-    from fsdpcheck.reading.live import compile_for_live, local_parts, source_layouts
+    from fsdpcheck.reading.live import (
+        buffer_names,
+        compile_for_live,
+        local_parts,
+        source_layouts,
+    )
     from fsdpcheck.reading.plan import kernel_box
     from fsdpcheck.stats import KeyStats
 
     try:
-        conv = compile_for_live(convert, ks.live)
+        conv = compile_for_live(convert, ks.live, buffers=buffer_names(live))
     except Exception as exc:  # compiled from agreed names: every rank fails alike
         result.findings = [Finding("*", "error", describe_error(exc))]
         return result

@@ -47,6 +47,7 @@ from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState, live_state
 from fsdpcheck.opening import open_checked
 from fsdpcheck.reading.live import (
+    buffer_names,
     compile_for_live,
     converted_state,
     coverage,
@@ -207,7 +208,9 @@ def _verify(
     except Exception as exc:  # a local failure: every rank learns of it below
         error = describe_error(exc)
     word = _pairing_word(prepared)
-    if not same_everywhere(comm, word):
+    # Every rank failed alike (a conversion compiled from the same names): the same word
+    # everywhere, so every rank takes this branch together.
+    if not same_everywhere(comm, word) or prepared is None:
         groups, past = distinct(comm, error)
         failed = [g for g in groups if g.payload is not None]
         if failed:
@@ -336,7 +339,7 @@ def _prepare(
     if convert is not None:
         # The same on every rank: compiled from the job's names and global shapes.
         other = set(ckpt.model) | {r.key for r in ckpt.rows}
-        conv = compile_for_live(convert, ks.live, other)
+        conv = compile_for_live(convert, ks.live, other, buffer_names(live))
         job = converted_state(ks.live, conv)
         extra, rows = coverage(conv)
     m = matching.match_live(

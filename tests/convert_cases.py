@@ -127,3 +127,7 @@ SPEC: dict[str, Any] = {
 def converted(sd: dict[str, torch.Tensor], fn: Any = to_hf) -> dict[str, torch.Tensor]:
     """What a converter writes: F on the data, each tensor contiguous."""
     return {k: v.contiguous().clone() for k, v in fn(sd).items()}
+
+
+#: An instance, for ``--convert tests.convert_cases:ADAPTER``.
+ADAPTER = Adapter()

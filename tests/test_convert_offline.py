@@ -235,3 +235,28 @@ def test_fingerprint_through_a_conversion_equals_the_converted_file(way, source_
         assert got == want
     plain = fsdpcheck.fingerprint_checkpoint(source_dir)
     assert set(plain) == set(cc.source_state())
+
+
+def test_cli_convert_by_module_attr_and_by_spec_file(source_dir, tmp_path, capsys):
+    from fsdpcheck.cli import main
+
+    hf = write(tmp_path, cc.converted(cc.source_state()))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(cc.SPEC))
+    for how in ("tests.convert_cases:to_hf", "tests.convert_cases:ADAPTER", str(spec)):
+        assert main(["compare", str(source_dir), str(hf), "--convert", how]) == 0, how
+    sd = cc.converted(cc.source_state())
+    sd["model.layers.0.mlp.experts.w1"][2, 3, 4] = 0.0
+    bad = write(tmp_path, sd, "bad.safetensors")
+    capsys.readouterr()
+    assert main(["compare", str(source_dir), str(bad), "--convert", str(spec)]) == 1
+    out = capsys.readouterr().out
+    assert "at index (2, 3, 4) <- layers.0.moe.experts.2.w1 (3, 4)" in out
+    assert main(["fingerprint", str(source_dir), "--convert", str(spec), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert main(["fingerprint", str(hf), "--json"]) == 0
+    assert got == json.loads(capsys.readouterr().out)
+    # A conversion that is not a strided map: one line, exit 2.
+    assert main(["compare", str(source_dir), str(hf), "--convert", "no/such.json"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a spec file nor 'module:attr'" in err and len(err.strip().splitlines()) == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,21 @@ def _checked(conv: Conversion, srcs: dict[str, tuple[Shape, torch.dtype]]) -> Co
     return out
 
 
+def _import(module: str) -> Any:
+    """The module, looked up from the working directory too (a console script's path lacks it)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        here = os.getcwd()
+        if here in sys.path:
+            raise
+        sys.path.insert(0, here)
+        try:
+            return importlib.import_module(module)
+        finally:
+            sys.path.remove(here)
+
+
 def _load(ref: str | os.PathLike[str]) -> Any:
     """A spec's JSON file, or the object ``module:attr`` names."""
     text = os.fspath(ref)
@@ -202,7 +218,7 @@ def _load(ref: str | os.PathLike[str]) -> Any:
             f"convert: {text!r} is neither a spec file nor 'module:attr' (e.g. mypkg.conv:to_hf)"
         )
     try:
-        obj: Any = importlib.import_module(module)
+        obj: Any = _import(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:

@@ -26,18 +26,27 @@ Shape = tuple[int, ...]
 
 
 def compile_for_live(
-    convert: Any, job: LiveState, other_names: set[str] | None = None
+    convert: Any,
+    job: LiveState,
+    other_names: set[str] | None = None,
+    buffers: set[str] | frozenset[str] = frozenset(),
 ) -> Conversion:
     """The conversion of the job's model names (the same on every rank that agreed on them).
 
-    Tied duplicates that the conversion leaves out are listed as dropped on purpose.
+    Tied duplicates and (persistent) `buffers` that the conversion leaves out are listed as
+    left out on purpose.
     """
     sources = {
         name: (meta.shape, getattr(torch, meta.dtype))
         for name, meta in job.model.items()
         if name not in job.buffers
     }
-    purpose = {dup: f"tied to {first}" for dup, first in job.tied.items()}
+    purpose = {
+        name: "a buffer the model recomputes (such as a rotary cache)"
+        for name in buffers
+        if name in sources
+    }
+    purpose.update({dup: f"tied to {first}" for dup, first in job.tied.items()})
     return compile_conversion(convert, sources, other_names=other_names, purpose=purpose)
 
 
@@ -130,4 +139,18 @@ def local_parts(
                         yield source_view(lp.tensor, lp.box.offset, r, shape), r
 
 
-__all__ = ["compile_for_live", "converted_state", "coverage", "local_parts", "source_layouts"]
+def buffer_names(live: LiveState) -> set[str]:
+    """The persistent buffers among a live model's state-dict names (not parameters)."""
+    if not live.requires_grad:  # a state dict: no telling
+        return set()
+    return {name for name in live.model if name not in live.requires_grad}
+
+
+__all__ = [
+    "buffer_names",
+    "compile_for_live",
+    "converted_state",
+    "coverage",
+    "local_parts",
+    "source_layouts",
+]
