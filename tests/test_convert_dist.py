@@ -61,3 +61,11 @@ def live_fingerprints_in_converted_coordinates(r, world):
     assert r["clean"] and r["bf16"] and r["spec_equal"]
     assert r["clean_keys"] == TARGETS
     assert r["planted_differs"] == [PLANT[0]]
+
+
+@checks("sharded_files_on_both_sides")
+def sharded_files_agree_through_the_conversion(r, world):
+    assert r["verify"]["ok"], r["verify"]["text"]
+    assert r["compare"]["ok"], r["compare"]["text"]
+    assert r["compare"]["elements"] == ELEMENTS
+    assert r["fingerprints_equal"] == [True, True]
