@@ -10,15 +10,17 @@ worded through the sides' names (``matching.Words``), never by rewriting finding
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from fsdpcheck.kernels import SUPPORTED_DTYPES
-from fsdpcheck.report import Finding
+from fsdpcheck.report import Finding, MappingRow
 
 if TYPE_CHECKING:
+    from fsdpcheck.convert import Conversion
     from fsdpcheck.matching import Words
 
 Problem = tuple[str, str, str]
@@ -81,4 +83,29 @@ def pair_checks(
     return [], None
 
 
-__all__ = ["pair_checks", "problem_findings"]
+def coverage(conv: Conversion, words_a: str = "live") -> tuple[list[Finding], list[MappingRow]]:
+    """Findings for targets the pieces do not tile and source elements no target reads.
+
+    Returns:
+        Gap findings (target names), unexpected findings (source names), and a mapping row per
+        source the conversion leaves out on purpose, with its reason.
+    """
+    findings = [Finding(name, "gap", why) for name, why in conv.target_problems().items()]
+    for name, (n, where) in conv.source_unused().items():
+        numel = math.prod(conv.sources[name][0])
+        findings.append(
+            Finding(
+                name,
+                "unexpected",
+                f"{n} of its {numel} elements {words_a} are in no tensor the conversion writes"
+                + (f" (e.g. {where})" if where else ""),
+            )
+        )
+    rows = [
+        MappingRow(name, None, "ignored", f"left out by the conversion: {why}")
+        for name, why in sorted(conv.dropped.items())
+    ]
+    return findings, rows
+
+
+__all__ = ["coverage", "pair_checks", "problem_findings"]

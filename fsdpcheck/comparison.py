@@ -26,18 +26,20 @@ import pickle
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from fsdpcheck import _collector, matching, offline_dist, ops
+from fsdpcheck.checks import coverage, pair_checks, problem_findings
+from fsdpcheck.convert import Conversion, Piece, Target, compile_conversion
 from fsdpcheck.formats import CheckpointInfo, describe_path
-from fsdpcheck.kernels import SUPPORTED_DTYPES
 from fsdpcheck.keys import checkpoint_keys
-from fsdpcheck.readplan import row_blocks
+from fsdpcheck.reading.plan import Plan, SourceKey
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
-from fsdpcheck.sources import Region, Source, open_source
-from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
+from fsdpcheck.sources import Source, open_source
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import CheckSettings, tolerance
 
@@ -122,13 +124,10 @@ def _compare_checkpoints(
     try:
         infos = (_describe(actual), _describe(expected))
         world = session.world if session is not None and request is not None else 1
-        job: _CompareJob | _ConvertedJob
-        if convert is not None:
-            job = _ConvertedJob(sa, sb, settings, dev, world, progress, convert)
-            if request is not None:  # the others compile the same conversion from its data
-                request = offline_dist.Request("compare", (*request.args, job.conv.to_spec()))
-        else:
-            job = _CompareJob(sa, sb, settings, dev, world, progress)
+        job = _CompareJob(sa, sb, settings, dev, world, progress, convert)
+        if request is not None and job.conv is not None:
+            # The other processes compile the same conversion from its data.
+            request = offline_dist.Request("compare", (*request.args, job.conv.to_spec()))
         if session is not None and request is not None:
             tally = session.run(request, job)
         else:
@@ -149,19 +148,14 @@ def serve_compare(
     settings: CheckSettings,
     device: str | None,
     convert: dict[str, Any] | None = None,
-) -> _CompareJob | _ConvertedJob:
+) -> _CompareJob:
     """The job of a comparison another process of the launch asked for (``offline_dist``).
 
     `convert` is the compiled conversion's data (``Conversion.to_spec``) when there is one.
     """
     sa, sb = _open_both(actual, expected)
-    job: _CompareJob | _ConvertedJob
     try:
-        dev = session.device(device)
-        if convert is not None:
-            job = _ConvertedJob(sa, sb, settings, dev, session.world, None, convert)
-        else:
-            job = _CompareJob(sa, sb, settings, dev, session.world)
+        job = _CompareJob(sa, sb, settings, session.device(device), session.world, None, convert)
     except BaseException:
         sa.close()
         sb.close()
@@ -252,17 +246,21 @@ class _Pairs:
 
 
 class _CompareJob:
-    """A comparison's plan (the pairs, their row blocks) and the comparing of a share of it.
+    """A comparison's plan (the pairs, their blocks) and the comparing of a share of it.
 
-    The plan depends on the two checkpoints' metadata, the settings and the number of processes
-    only, so every process of a launch computes the same one (``offline_dist.Job``).
+    The plan depends on the two checkpoints' metadata, the settings, the conversion and the
+    number of processes only, so every process of a launch computes the same one
+    (``offline_dist.Job``). Through a conversion (`convert`), side A's model tensors are the
+    conversion's targets, each compared piece by piece (``reading.plan.Plan``): findings are in
+    `expected`'s names and indices, each maximum with the tensor and index of `actual` it
+    comes from.
 
     NOTE: [compare memory] At a million tensors every object kept per tensor costs ~100 MB, so
     the plan is columns: a list per field of the pairs (strings, shapes and dtypes shared with
-    the sources), three int64 arrays for the row blocks (pair, elements, bytes) and the offset
-    and size of the few blocks that are not a whole tensor; the keys and the pairing are
-    dropped once the plan is made, and batches are ranges of block numbers. The expected
-    side holds the names both sides have as the actual side's strings (``share_names``).
+    the sources), three int64 arrays for the blocks (pair, elements, bytes) and the offset and
+    size of the few blocks that are not a whole tensor; the keys and the pairing are dropped
+    once the plan is made, and batches are ranges of block numbers. The expected side holds
+    the names both sides have as the actual side's strings (``share_names``).
     """
 
     def __init__(
@@ -273,29 +271,62 @@ class _CompareJob:
         dev: torch.device,
         world: int = 1,
         progress: Progress | None = None,
+        convert: Any = None,
     ) -> None:
         self.sa, self.sb, self.s, self.dev, self.progress = sa, sb, s, dev, progress
         self.owns_sources = False
         ka = checkpoint_keys(sa)
         kb = checkpoint_keys(sb)
+        self.conv: Conversion | None = None
+        side_a = ka
+        notes: list[str] = []
+        if convert is not None:
+            self.conv = conv = compile_conversion(
+                convert, _model_sources(ka), other_names=_names(kb)
+            )
+            # Side A's model tensors are the conversion's targets (its optimizer state as saved).
+            side_a = replace(ka, model=cast(dict[str, Any], dict(conv.targets)))
+            notes.append(
+                f"actual converted by {conv.description}: {len(conv.targets)} tensor(s) from "
+                f"{len(conv.sources)}"
+            )
+            notes += conv.notes
         m = matching.match_checkpoints(
-            ka, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map,
+            side_a, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map,
             ignore=s.ignore, pair_rows=False,
         )  # fmt: skip
         self.skeleton = Report(
-            reference=sb.description, world_size=1, notes=list(m.notes), side_a="actual",
-            side_b="expected",
+            reference=sb.description, world_size=1, notes=notes + list(m.notes),
+            side_a="actual", side_b="expected",
         )  # fmt: skip
         self.skeleton.keys_a, self.skeleton.keys_b = ka.tensor_count(), kb.tensor_count()
         self.rows = m.rows
         findings: list[Finding] = list(m.findings)
-        bad = _problem_keys(sa, ka, "actual", findings) | _problem_keys(
-            sb, kb, "expected", findings
-        )
+        names_a = {r.key: r.name for r in ka.rows}
+        names_b = {r.key: r.name for r in kb.rows}
+        got_a, bad_a = problem_findings(sa.problems(), lambda k: names_a.get(k, k), "actual: ")
+        got_b, bad_b = problem_findings(sb.problems(), lambda k: names_b.get(k, k), "expected: ")
+        findings += got_a + got_b
+        sources: dict[str, SourceKey] = {}
+        gaps: dict[str, str] = {}
+        if self.conv is not None:
+            conv = self.conv
+            self.skeleton.keys_a = len(conv.targets) + sum(
+                1 for r in ka.state.values() if r.entry.is_tensor
+            )
+            more, rows = coverage(conv, "in actual")
+            findings += more
+            self.rows += rows
+            gaps = conv.target_problems()
+            own = {name: r.key for name, r in ka.model.items()}
+            for name, (shape, dtype) in conv.sources.items():
+                sources[name] = SourceKey(own[name], shape, getattr(torch, dtype))
         self.pairs = _Pairs()
+        self.targets: dict[int, str] = {}  # pair -> its conversion target
+        converted: dict[int, tuple[Piece, ...]] = {}
         self.bytes_read = 0
-        converted: dict[tuple[str, str, float, float], int] = {}
-        tolerances: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
+        widths: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
+        dtype_notes: dict[tuple[str, str, float, float], int] = {}
         held_a, held_b = ka.placeholders, kb.placeholders
         placeholders = held_a or held_b
         # The pairs are turned into columns one by one, each dropped once used, and the keys'
@@ -306,45 +337,47 @@ class _CompareJob:
         while pairs:
             pair = pairs.pop()
             name, a, b = pair.name, pair.a, pair.b
-            ea, eb = a.entry, b.entry
-            if name in bad:
+            eb = b.entry
+            if isinstance(a, Target):
+                key_a, shape, da = a.name, a.shape, getattr(torch, a.dtype)
+                broken = name in gaps or any(sources[p.source].key in bad_a for p in a.pieces)
+            else:
+                ea = a.entry
+                key_a, shape, da = a.key, ea.shape, ea.dtype
+                broken = a.key in bad_a
+            if broken or b.key in bad_b:
                 self.rows.append(MappingRow(name, b.key, "skipped", "storage problem"))
                 continue
-            held = placeholders and (held_a.get(a.key) or held_b.get(b.key))
-            if held:
-                findings.append(Finding(name, "skipped", held))
-                self.rows.append(MappingRow(name, b.key, "skipped", "a placeholder"))
-                continue
-            if ea.shape != eb.shape:
-                findings.append(
-                    Finding(name, "shape", f"{ea.shape} in actual, {eb.shape} in expected")
+            held = placeholders and (held_a.get(key_a) or held_b.get(b.key))
+            got, skip = pair_checks(
+                name, (shape, da), (eb.shape, eb.dtype), matching.FILES,
+                check_dtype=s.check_dtype, placeholder=held or None,
+            )  # fmt: skip
+            findings += got
+            if skip is not None:
+                self.rows.append(
+                    MappingRow(
+                        name, b.key, "compared" if skip == "shape" else "skipped", _WHY[skip]
+                    )
                 )
-                self.rows.append(MappingRow(name, b.key, "compared"))
                 continue
-            da, db = ea.dtype, eb.dtype
-            if da not in SUPPORTED_DTYPES or db not in SUPPORTED_DTYPES:
-                findings.append(
-                    Finding(name, "skipped", f"{da} / {db} cannot be compared element-wise")
-                )
-                self.rows.append(MappingRow(name, b.key, "skipped", "unsupported dtype"))
-                continue
+            db = eb.dtype
             assert da is not None and db is not None
-            tol = tolerances.get((da, db))
+            tol = widths.get((da, db))
             if tol is None:
-                tol = tolerances[(da, db)] = tolerance(da, db, s.rtol, s.atol)
+                tol = widths[(da, db)] = tolerance(da, db, s.rtol, s.atol)
             if da != db:
-                if s.check_dtype:
-                    findings.append(Finding(name, "dtype", f"{da} in actual, {db} in expected"))
                 what = (_dtype_name(da), _dtype_name(db), *tol)
-                converted[what] = converted.get(what, 0) + 1
-            shape = ea.shape
+                dtype_notes[what] = dtype_notes.get(what, 0) + 1
             numel = math.prod(shape)
             if numel >= 1 << 63:
                 raise ValueError(f"{name}: a global shape {shape} of 2**63 elements or more")
-            self.pairs.add(name, a.key, b.key, shape, da, db, tol)
-            self.bytes_read += numel * (da.itemsize + db.itemsize)
+            if isinstance(a, Target):
+                self.targets[len(self.pairs)] = a.name
+                converted[len(self.pairs)] = a.pieces
+            self.pairs.add(name, key_a, b.key, shape, da, db, tol)
         self.findings = findings
-        for (na, nb, rt, at), n in sorted(converted.items()):
+        for (na, nb, rt, at), n in sorted(dtype_notes.items()):
             given = s.rtol is not None or s.atol is not None
             how = (
                 "the tolerances given" if given else "torch.testing's defaults for the less precise"
@@ -358,7 +391,7 @@ class _CompareJob:
                     else "; the dtype difference is not a finding (check_dtype=False)"
                 )
             )
-        # Every pair's row blocks, then batches of blocks: one kernel call per batch (per
+        # Every pair's blocks, then batches of blocks: one kernel call per batch (per
         # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
         # Two batches are in flight, so each holds at most half the budget (both sides).
         self.step = batch_bytes(s.budget)
@@ -366,34 +399,40 @@ class _CompareJob:
         both = [da.itemsize + db.itemsize for da, db in zip(p.dtypes_a, p.dtypes_b)]
         total = sum(math.prod(shape) * n for shape, n in zip(p.shapes, both))
         self.piece = offline_dist.piece_bytes(total, world, self.step)
-        #: Per block: its pair, elements and bytes (both sides); `cut` holds (offset, size) of
-        #: the blocks that are not their whole tensor (whose box is implied).
-        self.block_pair = array("q")
-        self.block_numel = array("q")
-        self.block_bytes = array("q")
-        self.cut: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.plan = plan = Plan(sources)
         for i, (shape, width) in enumerate(zip(p.shapes, both)):
-            numel = math.prod(shape)
-            if numel * width <= self.piece or not shape or shape[0] <= 1:
-                self.block_pair.append(i)
-                self.block_numel.append(numel)
-                self.block_bytes.append(numel * width)
-                continue
-            for off, size in row_blocks((0,) * len(shape), shape, width, self.piece):
-                n = math.prod(size)
-                self.cut[len(self.block_pair)] = (off, size)
-                self.block_pair.append(i)
-                self.block_numel.append(n)
-                self.block_bytes.append(n * width)
+            pieces = converted.get(i)
+            if pieces is not None:
+                plan.add_pieces(i, pieces, shape, p.dtypes_b[i].itemsize, self.piece)
+            else:
+                plan.add_tensor(i, shape, width, self.piece)
+        self.bytes_read = sum(plan.block_bytes)
+
+    # The plan's columns, as the tests and benchmarks read them.
+    @property
+    def block_pair(self) -> array:
+        """Each block's pair."""
+        return self.plan.block_pair
+
+    @property
+    def block_bytes(self) -> array:
+        """Each block's bytes (both sides)."""
+        return self.plan.block_bytes
+
+    @property
+    def cut(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(offset, size) of the blocks that are a box of their tensor but not all of it."""
+        return self.plan.cut
 
     # -- offline_dist.Job --------------------------------------------------------------------
     def digest(self) -> int:
-        """The plan: every compared pair (names, keys, shapes, dtypes, tolerances), the cut."""
+        """The plan: the conversion, every compared pair and tolerance, the cut."""
         from fsdpcheck.collectives import digest
 
         p = self.pairs
         return digest(
             (
+                self.conv.digest() if self.conv is not None else "",
                 self.piece,
                 len(self.findings),
                 [
@@ -402,46 +441,37 @@ class _CompareJob:
                         p.names, p.keys_a, p.keys_b, p.shapes, p.dtypes_a, p.dtypes_b, p.tols
                     )
                 ],
+                self.plan.digest_items() if self.plan.pieces else len(self.plan),
             )
         )
 
     def sizes(self) -> Sequence[int]:
         """Bytes of each block (both sides)."""
-        return self.block_bytes
-
-    def _regions(self, batch: range, keys: list[str]) -> list[Region]:
-        pair, shapes, cut = self.block_pair, self.pairs.shapes, self.cut
-        out = []
-        for j in batch:
-            i = pair[j]
-            box = cut.get(j)
-            if box is None:
-                shape = shapes[i]
-                out.append(Region(keys[i], (0,) * len(shape), shape))
-            else:
-                out.append(Region(keys[i], *box))
-        return out
+        return self.plan.block_bytes
 
     def measure(self, items: range) -> _Tally:
         """Compares the blocks `items` of the plan (reading them, two batches in flight)."""
         tally = _Tally(len(self.pairs))
-        sizes = self.block_bytes
+        plan, p = self.plan, self.pairs
+        sizes = plan.block_bytes
         total, done = sum(sizes[items.start : items.stop]), 0
-        plan = (
+        reads = (
             (
                 batch,
                 [
-                    (self.sa, self._regions(batch, self.pairs.keys_a)),
-                    (self.sb, self._regions(batch, self.pairs.keys_b)),
+                    (self.sa, plan.regions(batch, p.keys_a, p.shapes, "a")),
+                    (self.sb, plan.regions(batch, p.keys_b, p.shapes, "b")),
                 ],
             )
-            for batch in batch_ranges(sizes, items, self.step)
+            for batch in plan.batches(items, self.step)
         )
-        for batch, (xa, xb) in Prefetcher(self.dev).run(plan):
-            table = self._compare(batch, xa, xb)
+        for batch, (xa, xb) in Prefetcher(self.dev).run(reads):
+            va = plan.views(batch, xa, p.shapes, "a")
+            vb = plan.views(batch, xb, p.shapes, "b")
+            table = self._compare(batch, va, vb)
             a, b = batch.start, batch.stop
-            ids = torch.tensor(self.block_pair[a:b], dtype=torch.int64)
-            numel = torch.tensor(self.block_numel[a:b], dtype=torch.int64)
+            ids = torch.tensor(plan.block_pair[a:b], dtype=torch.int64)
+            numel = torch.tensor(plan.block_numel[a:b], dtype=torch.int64)
             tally.add(ids, numel, table)
             done += sum(sizes[a:b])
             if self.progress is not None:
@@ -469,7 +499,7 @@ class _CompareJob:
 
         NOTE: [one read-back] in kernels: every call is queued before any result is read.
         """
-        pair, tols = self.block_pair, self.pairs.tols
+        pair, tols = self.plan.block_pair, self.pairs.tols
         groups: dict[tuple[float, float], list[int]] = {}
         for j in batch:
             groups.setdefault(tols[pair[j]], []).append(j - batch.start)
@@ -478,14 +508,7 @@ class _CompareJob:
             one = len(groups) == 1
             a = xa if one else [xa[j] for j in idx]
             e = xb if one else [xb[j] for j in idx]
-            shapes: list[int] = []
-            offsets: list[int] = []
-            if self.cut and any(batch.start + j in self.cut for j in idx):
-                for j in idx:
-                    shape = self.pairs.shapes[pair[batch.start + j]]
-                    box = self.cut.get(batch.start + j)
-                    shapes.extend(shape)
-                    offsets.extend(box[0] if box is not None else (0,) * len(shape))
+            shapes, offsets = self.plan.boxes([batch.start + j for j in idx], self.pairs.shapes)
             with torch.no_grad():
                 tables.append(
                     ops.compare_rows(a, e, shapes, offsets, rt, at, self.s.equal_nan, False, True)
@@ -504,10 +527,15 @@ class _CompareJob:
         p = self.pairs
         for i in tally.mismatched():
             rt, at = p.tols[i]
+            stats = tally.stats(i)
             f = Finding.value(
-                p.names[i], tally.stats(i), p.shapes[i], rtol=rt, atol=at, with_ranks=False,
+                p.names[i], stats, p.shapes[i], rtol=rt, atol=at, with_ranks=False,
                 checked="in actual", reference="in expected",
             )  # fmt: skip
+            target = self.targets.get(i)
+            if target is not None and self.conv is not None:
+                f.abs_source = _located(self.conv, target, stats.max_abs_idx)
+                f.rel_source = _located(self.conv, target, stats.max_rel_idx)
             findings.append(f)
         report.elements_checked = tally.elements()
         report.bytes_read = self.bytes_read
@@ -521,222 +549,25 @@ class _CompareJob:
         return report
 
 
-class _ConvertedJob:
-    """A comparison through a conversion: each pair is pieces of `actual`'s tensors.
-
-    The plan (``reading.plan.PiecePlan``) is the same on every process of a launch; findings
-    are keyed and indexed in `expected`'s names and coordinates, each maximum with the tensor
-    and index of `actual` it comes from.
-    """
-
-    def __init__(
-        self,
-        sa: Source,
-        sb: Source,
-        s: CheckSettings,
-        dev: torch.device,
-        world: int,
-        progress: Progress | None,
-        convert: Any,
-    ) -> None:
-        from dataclasses import replace
-
-        from fsdpcheck.checks import pair_checks, problem_findings
-        from fsdpcheck.convert import Piece, Target, compile_conversion
-        from fsdpcheck.reading.plan import PiecePlan, PlanPair, whole_piece
-
-        self.sa, self.sb, self.s, self.dev, self.progress = sa, sb, s, dev, progress
-        self.owns_sources = False
-        ka, kb = checkpoint_keys(sa), checkpoint_keys(sb)
-        sources = {
-            name: (r.entry.shape, r.entry.dtype)
-            for name, r in ka.model.items()
-            if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
-        }
-        other = set(kb.model) | {r.key for r in kb.rows}
-        self.conv = conv = compile_conversion(convert, sources, other_names=other)
-        self.skeleton = Report(
-            reference=sb.description, world_size=1, notes=[], side_a="actual",
-            side_b="expected",
-        )  # fmt: skip
-        self.skeleton.notes.append(
-            f"actual converted by {conv.description}: {len(conv.targets)} tensor(s) from "
-            f"{len(conv.sources)}"
-        )
-        self.skeleton.notes += conv.notes
-        # Side A's model tensors are the conversion's targets (its optimizer state is as saved).
-        converted = replace(ka, model=cast(dict[str, Any], dict(conv.targets)))
-        m = matching.match_checkpoints(
-            converted, kb, read_a=sa.read_objects,
-            read_b=sb.read_objects, key_map=s.key_map, ignore=s.ignore,
-        )  # fmt: skip
-        self.skeleton.notes += m.notes
-        self.skeleton.keys_a = len(conv.targets) + sum(
-            1 for r in ka.state.values() if r.entry.is_tensor
-        )
-        self.skeleton.keys_b = kb.tensor_count()
-        findings = list(m.findings)
-        rows = list(m.rows)
-        own_a = {name: r.key for name, r in ka.model.items()}
-        names_a = {r.key: r.name for r in ka.rows}
-        names_b = {r.key: r.name for r in kb.rows}
-        fa, bad_a = problem_findings(sa.problems(), lambda k: names_a.get(k, k), "actual: ")
-        fb, bad_b = problem_findings(sb.problems(), lambda k: names_b.get(k, k), "expected: ")
-        findings += fa + fb
-        gaps = conv.target_problems()
-        for name, message in gaps.items():
-            findings.append(Finding(name, "gap", message))
-        for name, (n, where) in conv.source_unused().items():
-            numel = math.prod(conv.sources[name][0])
-            findings.append(
-                Finding(
-                    name,
-                    "unexpected",
-                    f"{n} of its {numel} elements in actual are in no tensor the conversion "
-                    "writes" + (f" (e.g. {where})" if where else ""),
-                )
-            )
-        for name, why in sorted(conv.dropped.items()):
-            rows.append(MappingRow(name, None, "ignored", f"left out by the conversion: {why}"))
-        pairs: list[PlanPair] = []
-        self.tols: list[tuple[float, float]] = []
-        self.sources_of: list[Target | None] = []
-        self.bytes_read = 0
-        for pair in m.pairs:
-            eb = pair.b.entry
-            if isinstance(pair.a, Target):
-                t = pair.a
-                a_dtype = getattr(torch, t.dtype)
-                a_keys = {
-                    p.source: (own_a[p.source], *_shape_dtype(conv, p.source)) for p in t.pieces
-                }
-                pieces: Sequence[Piece] = t.pieces
-                shape = t.shape
-                broken = any(k in bad_a for k, _, _ in a_keys.values()) or t.name in gaps
-            else:
-                ea = pair.a.entry
-                a_dtype, shape = ea.dtype, tuple(ea.shape)
-                a_keys = {ea.key: (ea.key, shape, a_dtype)}
-                pieces = [whole_piece(ea.key, shape)]
-                broken = ea.key in bad_a
-            if broken or pair.b.key in bad_b:
-                rows.append(MappingRow(pair.name, pair.b.key, "skipped", "storage problem"))
-                continue
-            held = kb.placeholders.get(pair.b.key)
-            got, skip = pair_checks(
-                pair.name, (shape, a_dtype), (tuple(eb.shape), eb.dtype), matching.FILES,
-                check_dtype=s.check_dtype, placeholder=held,
-            )  # fmt: skip
-            findings += got
-            if skip is not None:
-                continue
-            assert eb.dtype is not None
-            self.tols.append(tolerance(a_dtype, eb.dtype, s.rtol, s.atol))
-            self.sources_of.append(pair.a if isinstance(pair.a, Target) else None)
-            pairs.append(PlanPair(pair.name, shape, pieces, a_keys, pair.b.key, eb.dtype))
-        self.rows = rows
-        self.findings = findings
-        self.step = batch_bytes(s.budget)
-        total = sum(
-            math.prod(p.shape) * (p.b_dtype.itemsize if p.b_dtype else 0) * 2 for p in pairs
-        )
-        self.piece = offline_dist.piece_bytes(total, world, self.step)
-        self.plan = PiecePlan(pairs, self.piece)
-        self.bytes_read = sum(self.plan.bytes)
-
-    # -- offline_dist.Job --------------------------------------------------------------------
-    def digest(self) -> int:
-        """The plan: the conversion, every pair and block, the tolerances."""
-        from fsdpcheck.collectives import digest
-
-        return digest(
-            (
-                self.conv.digest(),
-                self.piece,
-                len(self.findings),
-                [(p.name, p.b_key, p.shape) for p in self.plan.pairs],
-                self.tols,
-                [(i, q.offset, q.size, q.source) for i, q in self.plan.blocks],
-            )
-        )
-
-    def sizes(self) -> Sequence[int]:
-        """Bytes of each block (both sides)."""
-        return self.plan.bytes
-
-    def measure(self, items: range) -> list[KeyStats]:
-        """Compares the blocks `items` of the plan (reading them, two batches in flight)."""
-        from fsdpcheck.kernels import compare_each
-
-        plan = self.plan
-        stats = [KeyStats() for _ in plan.pairs]
-        sizes = plan.bytes
-        total, done = sum(sizes[items.start : items.stop]), 0
-        reads = (
-            (batch, [(self.sa, ra), (self.sb, rb)])
-            for batch, (ra, rb) in ((b, plan.regions(b)) for b in plan.batches(items, self.step))
-        )
-        for batch, (xa, xb) in Prefetcher(self.dev).run(reads):
-            va, vb, boxes = plan.views(batch, xa, xb)
-            pairs = [plan.blocks[j][0] for j in batch]
-            diffs = compare_each(
-                va, vb, boxes=boxes, settings=[(*self.tols[i], False) for i in pairs],
-                equal_nan=self.s.equal_nan,
-            )  # fmt: skip
-            for i, d, box in zip(pairs, diffs, boxes):
-                stats[i].holders = 1
-                stats[i].add(d, box)
-            done += sum(sizes[batch.start : batch.stop])
-            if self.progress is not None:
-                self.progress(done, total)
-        return stats
-
-    def combine(self, comm: Comm, stats: list[KeyStats]) -> list[Combined]:
-        """Every process's statistics combined (``collectives.combine``: one row per pair)."""
-        from fsdpcheck.collectives import combine
-
-        combined, _ = combine(comm, stats)
-        return combined
-
-    def close(self) -> None:
-        """Closes the checkpoints when this job opened them (a pass another process asked for)."""
-        if self.owns_sources:
-            self.sa.close()
-            self.sb.close()
-
-    def report(self, stats: Sequence[Any], t0: float) -> Report:
-        """The report: value findings in `expected`'s names, with where in `actual` they are."""
-        report = self.skeleton
-        findings = list(self.findings)
-        for i, (pair, c) in enumerate(zip(self.plan.pairs, stats)):
-            if c.mismatched <= 0:
-                continue
-            rt, at = self.tols[i]
-            f = Finding.value(
-                pair.name, c, pair.shape, rtol=rt, atol=at, with_ranks=False, checked="in actual",
-                reference="in expected",
-            )  # fmt: skip
-            target = self.sources_of[i]
-            if target is not None:
-                f.abs_source = _located(self.conv, target.name, c.max_abs_idx)
-                f.rel_source = _located(self.conv, target.name, c.max_rel_idx)
-            findings.append(f)
-        report.elements_checked = sum(c.numel for c in stats)
-        report.bytes_read = self.bytes_read
-        report.keys_checked = len(self.plan.pairs)
-        self.rows.sort(key=matching.row_order)
-        report.mapping = self.rows
-        report.findings = normalized(findings)
-        report.seconds = time.perf_counter() - t0
-        return report
+#: A mapping row's reason for a pair ``checks.pair_checks`` keeps from the comparison.
+_WHY = {"shape": "", "unsupported dtype": "unsupported dtype", "a placeholder": "a placeholder"}
 
 
-def _shape_dtype(conv: Any, source: str) -> tuple[tuple[int, ...], torch.dtype]:
-    shape, dtype = conv.sources[source]
-    return shape, getattr(torch, dtype)
+def _model_sources(keys: matching.CheckpointKeys) -> dict[str, tuple[Any, Any]]:
+    """A checkpoint's model tensors as a conversion's sources: name -> (shape, dtype)."""
+    return {
+        name: (r.entry.shape, r.entry.dtype)
+        for name, r in keys.model.items()
+        if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
+    }
 
 
-def _located(conv: Any, target: str, index: int) -> tuple[str, tuple[int, ...]] | None:
+def _names(keys: matching.CheckpointKeys) -> set[str]:
+    """A checkpoint's canonical names and own keys (what a conversion's output may be called)."""
+    return set(keys.model) | {r.key for r in keys.rows}
+
+
+def _located(conv: Conversion, target: str, index: int) -> tuple[str, tuple[int, ...]] | None:
     """The source element a target element is made of (None without an index)."""
     return conv.locate(target, index) if index >= 0 else None
 
@@ -858,19 +689,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _describe(reference: Any) -> CheckpointInfo | None:
     return describe_path(reference) if isinstance(reference, (str, os.PathLike)) else None
-
-
-def _problem_keys(
-    source: Source, keys: matching.CheckpointKeys, side: str, findings: list[Finding]
-) -> set[str]:
-    """Storage problems as findings (named by canonical name); the names they make unreadable."""
-    problems = source.problems()
-    if not problems:
-        return set()
-    names = {r.key: r.name for r in keys.rows}
-    bad = set()
-    for key, kind, message in problems:
-        name = names.get(key, key)
-        findings.append(Finding(name, kind if kind == "gap" else "error", f"{side}: {message}"))
-        bad.add(name)
-    return bad

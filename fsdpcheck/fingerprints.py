@@ -22,12 +22,12 @@ from fsdpcheck.errors import FingerprintError, describe_error
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.readplan import row_blocks
 from fsdpcheck.report import Finding, Report, normalized
-from fsdpcheck.sources import Region, Source, open_source, refuse_problems
-from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
+from fsdpcheck.sources import Source, open_source, refuse_problems
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 
 if TYPE_CHECKING:
+    from fsdpcheck.convert import Conversion
     from fsdpcheck.layout import Layout, Meta
 
 # The live side (collectives, layouts, the model walk, torch.distributed) is imported where it
@@ -420,13 +420,10 @@ def _checkpoint_fingerprints(
     source = open_source(path)
     try:
         world = session.world if session is not None and request is not None else 1
-        job: _HashJob | _ConvertedHashJob
-        if convert is not None:
-            job = _ConvertedHashJob(source, ignore, memory_budget, world, convert)
-            if request is not None:  # the others compile the same conversion from its data
-                request = offline_dist.Request("fingerprint", (*request.args, job.conv.to_spec()))
-        else:
-            job = _HashJob(source, ignore, memory_budget, world)
+        job = _HashJob(source, ignore, memory_budget, world, convert)
+        if request is not None and job.conv is not None:
+            # The other processes compile the same conversion from its data.
+            request = offline_dist.Request("fingerprint", (*request.args, job.conv.to_spec()))
         if session is not None and request is not None:
             sums = session.run(request, job)
         else:
@@ -450,15 +447,11 @@ def serve_fingerprints(
     ignore: Sequence[str] | None,
     memory_budget: int,
     convert: dict[str, Any] | None = None,
-) -> _HashJob | _ConvertedHashJob:
+) -> _HashJob:
     """The job of fingerprints another process of the launch asked for (``offline_dist``)."""
     source = open_source(path)
-    job: _HashJob | _ConvertedHashJob
     try:
-        if convert is not None:
-            job = _ConvertedHashJob(source, ignore, memory_budget, session.world, convert)
-        else:
-            job = _HashJob(source, ignore, memory_budget, session.world)
+        job = _HashJob(source, ignore, memory_budget, session.world, convert)
     except BaseException:
         source.close()
         raise
@@ -474,10 +467,6 @@ def _manifest_ties(path: Any) -> dict[str, str]:
     return manifest.tied if manifest is not None else {}
 
 
-#: A region to hash: (name index, checkpoint key, offset, size, elements, bytes, whole tensor).
-_Work = tuple[int, str, tuple[int, ...], tuple[int, ...], int, int, bool]
-
-
 @dataclass
 class _Sums:
     """Per name: the sum of its regions' fingerprints (int64 bits) and their elements."""
@@ -489,24 +478,58 @@ class _Sums:
 class _HashJob:
     """Every chunk of a checkpoint hashed at its global offset, in row blocks (a plan).
 
-    The plan is each tensor's saved chunks (empty ones skipped) cut into row blocks, the same on
-    every process of a launch (``offline_dist.Job``); `measure` hashes a share of it, reading
-    the next batch while this one is hashed. Two batches are in flight (NOTE: [prefetch]), so
-    each holds at most half the budget. Per region the Python is a tuple; each batch is one
-    operator call and one ``index_add`` (NOTE: [per-key costs] in ``comparison``).
+    The plan (``reading.plan.Plan``) is each tensor's saved chunks (empty ones skipped) cut into
+    row blocks, the same on every process of a launch (``offline_dist.Job``); `measure` hashes
+    a share of it, reading the next batch while this one is hashed. Two batches are in flight
+    (NOTE: [prefetch]), so each holds at most half the budget. Per block the plan holds three
+    integers; each batch is one operator call and one ``index_add`` (NOTE: [per-key costs] in
+    ``comparison``).
+
+    Through a conversion (`convert`), the model tensors are the conversion's targets: each
+    target's pieces are read from the checkpoint, cast as the conversion says, and hashed at
+    the target's global indices, so the sum is the target's Fingerprint v1, as the converted
+    file's would be. Optimizer state is hashed as it is saved.
     """
 
     def __init__(
-        self, source: Source, ignore: Sequence[str] | None, budget: int, world: int
+        self,
+        source: Source,
+        ignore: Sequence[str] | None,
+        budget: int,
+        world: int,
+        convert: Any = None,
     ) -> None:
+        from fsdpcheck.reading.plan import Plan, SourceKey
+
         self.source = source
         self.owns_source = False
         refuse_problems(source, source.description, "fingerprint it")
         keys = checkpoint_keys(source)
-        by_key: dict[str, str] = {}
         self.notes: list[str] = []
+        self.conv: Conversion | None = None
+        converted: set[str] = set()
+        sources: dict[str, SourceKey] = {}
+        if convert is not None:
+            self.conv = conv = _compile_offline(convert, keys)
+            self.notes += [
+                f"converted by {conv.description}: {len(conv.targets)} tensor(s) from "
+                f"{len(conv.sources)}",
+                *conv.notes,
+            ]
+            broken = conv.target_problems()
+            if broken:
+                name, why = next(iter(broken.items()))
+                raise FingerprintError(f"{name}: {why}; its fingerprint would be wrong")
+            for name, (n, _) in sorted(conv.source_unused().items()):
+                self.notes.append(f"{name}: {n} element(s) are in no tensor the conversion writes")
+            converted = {r.key for name, r in keys.model.items() if name in conv.sources}
+            for name, (shape, dtype) in conv.sources.items():
+                sources[name] = SourceKey(keys.model[name].key, shape, getattr(torch, dtype))
+        by_key: dict[str, str] = {}
         other = []
         for r in keys.tensors():
+            if r.key in converted:
+                continue
             if r.role == "other":
                 other.append(r.key)
             elif matching.is_ignored(ignore, r.name, r.key):
@@ -522,7 +545,23 @@ class _HashJob:
         entries = source.entries()
         self.names: list[str] = []
         index: dict[str, int] = {}
-        chunks: list[tuple[int, str, tuple[int, ...], tuple[int, ...], int]] = []
+        # Per pair of the plan (a checkpoint key, or a conversion's target): its own key, its
+        # global shape, and the name its fingerprint adds to.
+        self.keys: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.name_of: list[int] = []
+        chunks: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
+        pieces: list[tuple[int, Any, int]] = []
+        for t in self.conv.targets.values() if self.conv is not None else ():
+            if matching.is_ignored(ignore, t.name):
+                self.notes.append(f"{t.name}: excluded by the user")
+                continue
+            dtype = getattr(torch, t.dtype)
+            if dtype not in SUPPORTED_DTYPES:
+                raise FingerprintError(f"{t.name}: dtype {t.dtype} cannot be fingerprinted")
+            index[t.name] = len(self.names)
+            self.names.append(t.name)
+            pieces.append((self._pair(t.name, t.shape, index[t.name]), t, dtype.itemsize))
         for ckpt_key, name in by_key.items():
             entry = entries[ckpt_key]
             if entry.dtype not in SUPPORTED_DTYPES:
@@ -531,56 +570,67 @@ class _HashJob:
             if i is None:  # two keys of one name add up, as one tensor's chunks do
                 i = index[name] = len(self.names)
                 self.names.append(name)
+            pair = self._pair(ckpt_key, tuple(entry.shape), i)
             itemsize = entry.dtype.itemsize  # type: ignore[union-attr]
             for offset, size in source.chunks(ckpt_key):
                 if math.prod(size) == 0 and len(size) > 0:
                     continue
-                chunks.append((i, ckpt_key, tuple(offset), tuple(size), itemsize))
-        self.shapes = {k: tuple(entries[k].shape) for k in by_key}
+                chunks.append((pair, tuple(offset), tuple(size), itemsize))
         self.step = batch_bytes(budget)
-        self.piece = offline_dist.piece_bytes(
-            sum(math.prod(size) * item for _, _, _, size, item in chunks), world, self.step
-        )
-        self.work: list[_Work] = []
-        for i, key, offset, size, itemsize in chunks:
-            whole = size == self.shapes[key] and not any(offset)
-            for off, sz in row_blocks(offset, size, itemsize, self.piece):
-                n = math.prod(sz)
-                self.work.append((i, key, off, sz, n, n * itemsize, whole and sz == size))
+        total = sum(math.prod(size) * item for _, _, size, item in chunks)
+        total += sum(math.prod(t.shape) * item for _, t, item in pieces)
+        self.piece = offline_dist.piece_bytes(total, world, self.step)
+        self.plan = plan = Plan(sources)
+        for pair, t, _ in pieces:
+            plan.add_pieces(pair, t.pieces, t.shape, None, self.piece)
+        for pair, offset, size, itemsize in chunks:
+            plan.add_chunk(pair, offset, size, self.shapes[pair], itemsize, self.piece)
+
+    def _pair(self, key: str, shape: tuple[int, ...], name: int) -> int:
+        self.keys.append(key)
+        self.shapes.append(shape)
+        self.name_of.append(name)
+        return len(self.keys) - 1
 
     # -- offline_dist.Job --------------------------------------------------------------------
     def digest(self) -> int:
-        """The plan: the names and every region (key, offset, size), and the cut."""
+        """The plan: the conversion, the names and every block (key, offset, size), the cut."""
         from fsdpcheck.collectives import digest
 
-        return digest((self.piece, self.names, [w[:4] for w in self.work]))
+        return digest(
+            (
+                self.conv.digest() if self.conv is not None else "",
+                self.piece,
+                self.names,
+                self.keys,
+                self.plan.digest_items(),
+            )
+        )
 
-    def sizes(self) -> list[int]:
-        """Bytes of each region."""
-        return [w[5] for w in self.work]
+    def sizes(self) -> Sequence[int]:
+        """Bytes of each block."""
+        return self.plan.block_bytes
 
     def measure(self, items: range) -> _Sums:
-        """Hashes the regions `items` of the plan."""
+        """Hashes the blocks `items` of the plan (pieces at their converted global indices)."""
         n = len(self.names)
         sums = _Sums(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
-        work = self.work
+        plan, keys, shapes = self.plan, self.keys, self.shapes
         source = self.source
-        plan = (
-            (b, [(source, [Region(w[1], w[2], w[3]) for w in b])])
-            for b in (work[r.start : r.stop] for r in batch_ranges(self.sizes(), items, self.step))
+        name_of = torch.tensor(self.name_of, dtype=torch.int64)
+        reads = (
+            (b, [(source, plan.regions(b, keys, shapes, "a"))])
+            for b in plan.batches(items, self.step)
         )
-        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
-            shapes: list[int] = []
-            offsets: list[int] = []
-            if not all(w[6] for w in batch):
-                for w in batch:
-                    shapes.extend(self.shapes[w[1]])
-                    offsets.extend(w[2])
+        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(reads):
+            views = plan.views(batch, tensors, shapes, "a")
+            box_shapes, offsets = plan.boxes(batch, shapes)
             with torch.no_grad():
-                fps = ops.fingerprint_rows(tensors, shapes, offsets).cpu()
-            ids = torch.tensor([w[0] for w in batch], dtype=torch.int64)
+                fps = ops.fingerprint_rows(views, box_shapes, offsets).cpu()
+            a, b = batch.start, batch.stop
+            ids = name_of[torch.tensor(plan.block_pair[a:b], dtype=torch.int64)]
             sums.fp.index_add_(0, ids, fps)  # int64 adds wrap: the sum mod 2**64
-            sums.numel.index_add_(0, ids, torch.tensor([w[4] for w in batch], dtype=torch.int64))
+            sums.numel.index_add_(0, ids, torch.tensor(plan.block_numel[a:b], dtype=torch.int64))
         return sums
 
     def combine(self, comm: Any, sums: _Sums) -> _Sums:
@@ -597,125 +647,16 @@ class _HashJob:
         return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
 
 
-class _ConvertedHashJob:
-    """The fingerprints of a checkpoint's converted layout: its pieces hashed where they go.
+def _compile_offline(convert: Any, keys: Any) -> Conversion:
+    """A conversion of a checkpoint's model tensors."""
+    from fsdpcheck.convert import compile_conversion
 
-    Each target's pieces are read from the checkpoint (``reading.plan.PiecePlan``, side A
-    only), cast as the conversion says, and hashed at the target's global indices: the sum is
-    the target's Fingerprint v1, as the converted file's would be. Optimizer state is hashed as
-    it is saved.
-    """
-
-    def __init__(
-        self,
-        source: Source,
-        ignore: Sequence[str] | None,
-        budget: int,
-        world: int,
-        convert: Any,
-    ) -> None:
-        from fsdpcheck.convert import compile_conversion
-        from fsdpcheck.reading.plan import PiecePlan, PlanPair, whole_piece
-
-        self.source = source
-        self.owns_source = False
-        refuse_problems(source, source.description, "fingerprint it")
-        keys = checkpoint_keys(source)
-        sources = {
-            name: (r.entry.shape, r.entry.dtype)
-            for name, r in keys.model.items()
-            if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
-        }
-        self.conv = conv = compile_conversion(convert, sources)
-        self.notes: list[str] = [
-            f"converted by {conv.description}: {len(conv.targets)} tensor(s) from "
-            f"{len(conv.sources)}",
-            *conv.notes,
-        ]
-        broken = conv.target_problems()
-        if broken:
-            name, why = next(iter(broken.items()))
-            raise FingerprintError(f"{name}: {why}; its fingerprint would be wrong")
-        for name, (n, _) in sorted(conv.source_unused().items()):
-            self.notes.append(f"{name}: {n} element(s) are in no tensor the conversion writes")
-        own = {name: r.key for name, r in keys.model.items()}
-        pairs = []
-        for t in conv.targets.values():
-            if matching.is_ignored(ignore, t.name):
-                self.notes.append(f"{t.name}: excluded by the user")
-                continue
-            if getattr(torch, t.dtype) not in SUPPORTED_DTYPES:
-                raise FingerprintError(f"{t.name}: dtype {t.dtype} cannot be fingerprinted")
-            a_keys = {}
-            for p in t.pieces:
-                shape, dtype = conv.sources[p.source]
-                a_keys[p.source] = (own[p.source], shape, getattr(torch, dtype))
-            pairs.append(PlanPair(t.name, t.shape, t.pieces, a_keys))
-        for r in keys.state.values():
-            if not r.entry.is_tensor or matching.is_ignored(ignore, r.name, r.key):
-                continue
-            e = r.entry
-            if e.dtype not in SUPPORTED_DTYPES:
-                raise FingerprintError(f"{r.key}: dtype {e.dtype} cannot be fingerprinted")
-            shape = tuple(e.shape)
-            pairs.append(
-                PlanPair(
-                    r.name, shape, [whole_piece(r.key, shape)], {r.key: (r.key, shape, e.dtype)}
-                )
-            )
-        self.step = batch_bytes(budget)
-        total = sum(math.prod(p.shape) * 4 for p in pairs)
-        self.piece = offline_dist.piece_bytes(total, world, self.step)
-        self.plan = PiecePlan(pairs, self.piece)
-        self.names = [p.name for p in pairs]
-
-    def digest(self) -> int:
-        """The plan: the conversion, the names and every block."""
-        from fsdpcheck.collectives import digest
-
-        return digest(
-            (
-                self.conv.digest(),
-                self.piece,
-                self.names,
-                [(i, q.offset, q.size, q.source) for i, q in self.plan.blocks],
-            )
-        )
-
-    def sizes(self) -> list[int]:
-        """Bytes of each block."""
-        return self.plan.bytes
-
-    def measure(self, items: range) -> _Sums:
-        """Hashes the blocks `items` of the plan at their converted global indices."""
-        n = len(self.names)
-        sums = _Sums(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
-        plan = self.plan
-        reads = (
-            (batch, [(self.source, plan.regions(batch)[0])])
-            for batch in plan.batches(items, self.step)
-        )
-        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(reads):
-            views, _, boxes = plan.views(batch, tensors, [])
-            fps = fingerprint_tensors(views, boxes=boxes)
-            ids = torch.tensor([plan.blocks[j][0] for j in batch], dtype=torch.int64)
-            sums.fp.index_add_(0, ids, torch.tensor([_signed(f) for f in fps], dtype=torch.int64))
-            numel = [v.numel() for v in views]
-            sums.numel.index_add_(0, ids, torch.tensor(numel, dtype=torch.int64))
-        return sums
-
-    def combine(self, comm: Any, sums: _Sums) -> _Sums:
-        """Every process's sums added up (``collectives.combine``: one row per name)."""
-        return _combine_sums(comm, sums)
-
-    def close(self) -> None:
-        """Closes the checkpoint when this job opened it (a pass another process asked for)."""
-        if self.owns_source:
-            self.source.close()
-
-    def fingerprints(self, sums: _Sums) -> dict[str, int]:
-        """Name -> Fingerprint v1 of the converted layout."""
-        return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
+    sources = {
+        name: (r.entry.shape, r.entry.dtype)
+        for name, r in keys.model.items()
+        if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
+    }
+    return compile_conversion(convert, sources)
 
 
 def _combine_sums(comm: Any, sums: _Sums) -> _Sums:

@@ -26,7 +26,7 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
-from fsdpcheck.checks import pair_checks
+from fsdpcheck.checks import coverage, pair_checks
 from fsdpcheck.collectives import (
     Comm,
     combine,
@@ -50,7 +50,6 @@ from fsdpcheck.reading.live import (
     buffer_names,
     compile_for_live,
     converted_state,
-    coverage,
     local_parts,
     source_layouts,
 )

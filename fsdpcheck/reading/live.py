@@ -20,7 +20,6 @@ from fsdpcheck.convert.pieces import Piece, cut, split_for_reading, within
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState
 from fsdpcheck.reading.plan import source_view
-from fsdpcheck.report import Finding, MappingRow
 
 Shape = tuple[int, ...]
 
@@ -59,33 +58,6 @@ def converted_state(job: LiveState, conv: Conversion) -> LiveState:
     return dataclasses.replace(
         job, model=dict(conv.targets), tied={}, buffers={}, requires_grad={}, adapters=()
     )
-
-
-def coverage(conv: Conversion, words_a: str = "live") -> tuple[list[Finding], list[MappingRow]]:
-    """Findings for targets the pieces do not tile and source elements no target reads.
-
-    Returns:
-        Gap findings (target names), unexpected findings (source names), and a mapping row per
-        source the conversion leaves out on purpose, with its reason.
-    """
-    import math
-
-    findings = [Finding(name, "gap", why) for name, why in conv.target_problems().items()]
-    for name, (n, where) in conv.source_unused().items():
-        numel = math.prod(conv.sources[name][0])
-        findings.append(
-            Finding(
-                name,
-                "unexpected",
-                f"{n} of its {numel} elements {words_a} are in no tensor the conversion writes"
-                + (f" (e.g. {where})" if where else ""),
-            )
-        )
-    rows = [
-        MappingRow(name, None, "ignored", f"left out by the conversion: {why}")
-        for name, why in sorted(conv.dropped.items())
-    ]
-    return findings, rows
 
 
 def source_layouts(
@@ -150,7 +122,6 @@ __all__ = [
     "buffer_names",
     "compile_for_live",
     "converted_state",
-    "coverage",
     "local_parts",
     "source_layouts",
 ]
