@@ -26,7 +26,7 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
-from fsdpcheck.checks import coverage, pair_checks
+from fsdpcheck.checks import coverage, pair_checks, problem_findings
 from fsdpcheck.collectives import (
     Comm,
     combine,
@@ -40,7 +40,7 @@ from fsdpcheck.convert import Conversion, Piece, Target
 from fsdpcheck.convert.declared import declared_conversion
 from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.errors import describe_error
-from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
+from fsdpcheck.kernels import compare_each
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.keyset import KeySet, agree_keys
 from fsdpcheck.layout import Layout, local_layout
@@ -53,12 +53,17 @@ from fsdpcheck.reading.live import (
     local_parts,
     source_layouts,
 )
-from fsdpcheck.reading.plan import kernel_box, target_view
-from fsdpcheck.readplan import Arena, row_blocks
+from fsdpcheck.reading.plan import (
+    DeviceBatches,
+    along_chunks,
+    box_blocks,
+    kernel_box,
+    target_view,
+)
+from fsdpcheck.readplan import Arena
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Region, Source, checkpoint_notes, prefetch
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
-from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import CheckSettings, tolerance
 
@@ -372,11 +377,9 @@ def _check_keys(
     entries = p.source.entries()
     # Coverage before data: a key the storage cannot deliver whole (a gap, a bad entry) is a
     # finding of its own kind, and never read.
-    problems: dict[str, tuple[str, str]] = {}
     live_name = {item.ckpt_key: item.key for item in p.match.items}
-    for key, kind, message in p.source.problems():
-        problems.setdefault(key, (kind, message))
-        p.findings.append(Finding(live_name.get(key, key), kind, message))
+    found, problems = problem_findings(p.source.problems(), lambda k: live_name.get(k, k))
+    p.findings += found
     gaps = set(p.conv.target_problems()) if p.conv is not None else set()
     cache: dict[str, Layout] = {}
     for i, item in enumerate(p.match.items):
@@ -397,32 +400,14 @@ def _check_keys(
             p.findings.append(Finding(item.key, "layout", lay.error))
             continue
         held = p.keys.placeholders.get(item.ckpt_key)
-        if held is not None and math.prod(lay.global_shape) > 0:
-            p.findings.append(Finding(item.key, "skipped", held))
+        got, skip = pair_checks(
+            item.key, (lay.global_shape, lay.dtype), (tuple(entry.shape), entry.dtype),
+            matching.LIVE, check_dtype=check_dtype,
+            placeholder=held if held is not None and math.prod(lay.global_shape) > 0 else None,
+        )  # fmt: skip
+        p.findings += got
+        if skip is not None:
             continue
-        if lay.global_shape != entry.shape:
-            p.findings.append(
-                Finding(
-                    item.key,
-                    "shape",
-                    f"global shape {lay.global_shape} live but {entry.shape} in the checkpoint",
-                )
-            )
-            continue
-        if entry.dtype not in SUPPORTED_DTYPES or lay.dtype not in SUPPORTED_DTYPES:
-            p.findings.append(
-                Finding(
-                    item.key,
-                    "skipped",
-                    f"dtype {lay.dtype} (live) / {entry.dtype} (checkpoint) cannot be compared "
-                    "element-wise",
-                )
-            )
-            continue
-        if lay.dtype != entry.dtype and check_dtype:
-            p.findings.append(
-                Finding(item.key, "dtype", f"{lay.dtype} live but {entry.dtype} in the checkpoint")
-            )
         p.layouts[-1] = lay
         p.blocked.discard(i)
         if item.is_param_state:
@@ -484,13 +469,11 @@ def _compare_values(
     """
     step = batch_bytes(s.budget)
     # Batches are capped in pieces too (NOTE: [regions per batch] in prefetch).
-    cap = prefetch.MAX_REGIONS
+    todo: DeviceBatches[_Work] = DeviceBatches(step, prefetch.MAX_REGIONS)
     entries = p.source.entries()
-    batches: dict[torch.device, list[list[_Work]]] = {}
-    held: dict[torch.device, int] = {}
     for i, (item, lay) in enumerate(zip(p.match.items, p.layouts)):
         if i in p.converted:
-            _converted_works(p, i, stats[i], s, step, cap, batches, held)
+            _converted_works(p, i, stats[i], s, step, todo)
             continue
         if lay is None:
             if i in p.blocked:
@@ -506,11 +489,10 @@ def _compare_values(
             assert piece.box.offset is not None
             p_off = tuple(piece.box.offset)
             dev = piece.tensor.device
-            mine = batches.setdefault(dev, [])
             p_size = tuple(piece.tensor.shape)
             saved = p.source.chunks_overlapping(item.ckpt_key, p_off, p_size)
             for part_off, part_size in _along_chunks(p_off, p_size, saved):
-                for off, size in row_blocks(part_off, part_size, elsize, step):
+                for off, size in box_blocks(part_off, part_size, elsize, step):
                     actual, box = piece.tensor, piece.box
                     if size != p_size:  # a part of the piece: its view, and its own box
                         for d, (o, n) in enumerate(zip(off, size)):
@@ -526,23 +508,18 @@ def _compare_values(
                         tol,
                         lay.replicated,
                     )
-                    nbytes = math.prod(size) * elsize
-                    if not mine or held[dev] + nbytes > step or len(mine[-1]) >= cap:
-                        mine.append([])
-                        held[dev] = 0
-                    mine[-1].append(w)
-                    held[dev] += nbytes
+                    todo.add(dev, w, math.prod(size) * elsize)
     done = 0
 
     def failed(works: list[_Work], exc: BaseException) -> None:
         _read_failed(works, exc, stats, findings, p.match)
 
-    for device, todo in batches.items():
+    for device, batches in todo.batches.items():
         # The read-ahead stages through host memory (pinned for a GPU): for a reference already
         # in memory, or shards on another kind of device, each batch is read straight there.
         ahead = not p.source.in_memory and device.type in ("cpu", "cuda")
         run = _prefetched if ahead else _direct
-        for works, refs in run(p.source, device, todo, failed):
+        for works, refs in run(p.source, device, batches, failed):
             done += sum(r.numel() * r.element_size() for r in refs)
             refs = [
                 r if w.piece is None else target_view(r, w.piece, w.target_shape)
@@ -567,9 +544,7 @@ def _converted_works(
     stats: KeyStats,
     s: CheckSettings,
     step: int,
-    cap: int,
-    batches: dict[torch.device, list[list[_Work]]],
-    held: dict[torch.device, int],
+    todo: DeviceBatches[_Work],
 ) -> None:
     """The parts of a converted target this rank's shards hold, added to the batches."""
     assert p.conv is not None
@@ -587,18 +562,11 @@ def _converted_works(
     stats.holders = 1
     for view, q in local_parts(t, layouts, shapes, most, for_reading=True):
         off, size, _ = target_box(q, t.shape)
-        dev = view.device
-        mine = batches.setdefault(dev, [])
         w = _Work(
             i, view, kernel_box(q), Region(item.ckpt_key, off, size), entry.dtype, tol, False,
             q, t.shape,
         )  # fmt: skip
-        nbytes = math.prod(size) * elsize
-        if not mine or held[dev] + nbytes > step or len(mine[-1]) >= cap:
-            mine.append([])
-            held[dev] = 0
-        mine[-1].append(w)
-        held[dev] += nbytes
+        todo.add(view.device, w, math.prod(size) * elsize)
 
 
 #: Batches of pieces with the reference regions read for them.
@@ -663,34 +631,9 @@ def _read_failed(
         findings.append(Finding(m.items[key_index].key, "error", msg))
 
 
-def _along_chunks(
-    offset: tuple[int, ...],
-    size: tuple[int, ...],
-    saved: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """A local piece cut along the reference's saved chunks, when they tile it exactly.
-
-    Each part then lies inside one saved chunk, which a reader can hand over where it lies (a
-    mapped DCP chunk) instead of assembling it from several. When the chunks do not tile the
-    piece (a gap or an overlap in a damaged checkpoint), the piece is returned whole, so that
-    reading it raises the coverage error the report names.
-
-    `saved` is the chunks meeting the piece (``Source.chunks_overlapping``: found by bisection,
-    so a piece meets the few chunks it overlaps, not every chunk of a key saved by W ranks);
-    any others would cut nothing.
-    """
-    piece = (offset, size)
-    if len(saved) <= 1:  # the chunk holds the piece, or reading it names what is missing
-        return [piece]
-    parts = [c for c in (intersect(piece, (tuple(o), tuple(s))) for o, s in saved) if c]
-    # Volumes adding up to the piece's and no part of it uncovered: the parts are disjoint.
-    if (
-        len(parts) <= 1
-        or sum(math.prod(s) for _, s in parts) != math.prod(size)
-        or uncovered(piece, parts)
-    ):
-        return [piece]
-    return parts
+#: How a rank's shard is cut along the reference's saved chunks (``reading.plan``); a module
+#: name of its own, so a test can count the cuts.
+_along_chunks = along_chunks
 
 
 def _check_param_groups(source: Source, groups: list[matching.GroupPair]) -> list[Finding]:
