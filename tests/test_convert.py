@@ -545,3 +545,11 @@ def test_within_source_box_and_target_box_against_brute_force(data):
 
 def _cells(p: Piece):
     return list(itertools.product(*(range(o, o + n) for o, n in zip(p.offset, p.size))))
+
+
+def test_a_run_across_rows_of_the_source_is_split_where_it_wraps():
+    # Rows of the target start mid-row of the source: not one box of the source.
+    sources = {"w": ((5, 6), torch.float32)}
+    conv = assert_pieces_match(lambda sd: {"x": sd["w"].flatten()[3:27].view(4, 6)}, sources)
+    assert 1 < len(conv.targets["x"].pieces) <= 16
+    assert conv.source_unused()["w"][0] == 6  # [0:1, 0:3] and [4:5, 3:6]

@@ -117,6 +117,8 @@ class Conversion:
         out = {}
         for t in self.targets.values():
             numel = math.prod(t.shape)
+            if len(t.pieces) == 1 and t.pieces[0].numel == numel:
+                continue  # one piece the size of its view: it is the whole target
             boxes = _target_boxes(t)
             if boxes is None:
                 got = sum(p.numel for p in t.pieces)
@@ -143,6 +145,8 @@ class Conversion:
             if not pieces:
                 out[name] = (numel, "")
                 continue
+            if any(p.numel == numel and _injective(p) for p in pieces):
+                continue  # one piece reads as many distinct elements as the source has
             boxes: list[tuple[Shape, Shape]] = []
             exact = True
             for p in dict.fromkeys(pieces):  # a tied copy reads the same elements again
@@ -262,6 +266,11 @@ def _check_target(t: Target, sources: Mapping[str, tuple[Shape, str]]) -> None:
                 source_digits(p, shape)
             except Exception:
                 raise ConversionError(f"{where} is not aligned with {p.source}") from None
+
+
+def _injective(p: Piece) -> bool:
+    """Whether an aligned piece reads each of its source elements once (no broadcast dim)."""
+    return all(s != 0 or k <= 1 for k, s in zip(p.size, p.strides))
 
 
 def _intervals(base: int, digits: Sequence[tuple[int, int]]) -> list[tuple[int, int]] | None:

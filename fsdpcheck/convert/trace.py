@@ -103,9 +103,20 @@ class _Trace:
 class Traced(torch.Tensor):
     """A shape-only tensor that records what a conversion does to the sources it comes from."""
 
-    _fc_base: _Base
-    _fc_elem: torch.Tensor
-    _fc_trace: _Trace
+    # One attribute, set once: attributes of a tensor subclass cost ~10 us each to set.
+    _fc: tuple[torch.Tensor, _Base, _Trace]
+
+    @property
+    def _fc_elem(self) -> torch.Tensor:
+        return self._fc[0]
+
+    @property
+    def _fc_base(self) -> _Base:
+        return self._fc[1]
+
+    @property
+    def _fc_trace(self) -> _Trace:
+        return self._fc[2]
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, base: _Base, trace: _Trace) -> Traced:  # noqa: D102
@@ -118,7 +129,7 @@ class Traced(torch.Tensor):
             device=elem.device,
             requires_grad=False,
         )
-        r._fc_elem, r._fc_base, r._fc_trace = elem, base, trace
+        r._fc = (elem, base, trace)
         return r
 
     def __repr__(self) -> str:  # type: ignore[override]
