@@ -251,7 +251,7 @@ def _converted_fingerprints(
         local_parts,
         source_layouts,
     )
-    from fsdpcheck.reading.plan import kernel_box
+    from fsdpcheck.reading.plan import cast_as, kernel_box
     from fsdpcheck.stats import KeyStats
 
     try:
@@ -275,6 +275,7 @@ def _converted_fingerprints(
         tensors: list[torch.Tensor] = []
         boxes: list[Any] = []
         owners: list[int] = []
+        casts: list[tuple[int, torch.Tensor, Any]] = []
         for i, key in enumerate(keys):
             t = conv.targets.get(key)
             if t is None:  # optimizer state: hashed as it is
@@ -312,13 +313,22 @@ def _converted_fingerprints(
             stats[i].holders, stats[i].owner = 1, first.owner
             stats[i].mesh_ranks = first.mesh_ranks
             stats[i].fp = 0
-            for view, q in local_parts(t, layouts, shapes, 1 << 62, for_reading=False):
+            for view, q in local_parts(t, layouts, shapes, _CAST_BLOCK, for_reading=False):
+                if q.cast:
+                    casts.append((i, view, q))
+                    continue
                 tensors.append(view)
                 boxes.append(kernel_box(q))
                 owners.append(i)
         fps = fingerprint_tensors(tensors, boxes=boxes) if tensors else []
         for i, box, fp, tensor in zip(owners, boxes, fps, tensors):
             stats[i].add_copy(fp, box, tensor.numel())
+        # Parts that are cast: hashed a batch of copies at a time, never all at once.
+        for batch in _by_bytes(casts, _CAST_BLOCK):
+            views = [cast_as(v, q) for _, v, q in batch]
+            got = fingerprint_tensors(views, boxes=[kernel_box(q) for _, _, q in batch])
+            for (i, _, q), fp in zip(batch, got):
+                stats[i].add_copy(fp, kernel_box(q), q.numel)
     except Exception as exc:  # never leave the other ranks waiting in the reductions below
         local.append(Finding("*", "error", describe_error(exc)))
     combined, _ = combine(comm, stats)
@@ -343,6 +353,24 @@ def _converted_fingerprints(
         result.fingerprints[key] = c.fingerprint
     result.findings = normalized(findings)
     return result
+
+
+#: Elements of copies a cast part of a live fingerprint makes at once, at most.
+_CAST_BLOCK = 1 << 25
+
+
+def _by_bytes(items: list[tuple[int, torch.Tensor, Any]], most: int) -> list[list[Any]]:
+    """Consecutive runs of (pair, view, piece) of at most `most` elements each."""
+    out: list[list[Any]] = []
+    held = 0
+    for it in items:
+        n = it[2].numel
+        if not out or held + n > most:
+            out.append([])
+            held = 0
+        out[-1].append(it)
+        held += n
+    return out
 
 
 def local_layout_of(value: Any, world: int) -> Layout:

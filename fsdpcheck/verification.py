@@ -57,6 +57,7 @@ from fsdpcheck.reading.plan import (
     DeviceBatches,
     along_chunks,
     box_blocks,
+    cast_as,
     kernel_box,
     target_view,
 )
@@ -526,7 +527,7 @@ def _compare_values(
                 for w, r in zip(works, refs)
             ]
             diffs = compare_each(
-                [w.actual for w in works],
+                [w.actual if w.piece is None else cast_as(w.actual, w.piece) for w in works],
                 refs,
                 boxes=[w.box for w in works],
                 settings=[(*w.tol, w.fingerprint) for w in works],

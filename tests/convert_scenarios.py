@@ -143,6 +143,7 @@ def summary(r: fsdpcheck.Report) -> dict[str, Any]:
         "sources": [list(f.abs_source) if f.abs_source else None for f in r.findings],
         "keys": [r.keys_a, r.keys_b, r.keys_checked],
         "elements": r.elements_checked,
+        "bytes": r.bytes_read,
         # The time of a per-rank (offline) check differs between ranks: not part of the verdict.
         "text": re.sub(r"read in [0-9.]+ s", "read", str(r)),
     }

@@ -32,6 +32,12 @@ def clean_is_ok_each_way(r, world):
         assert r[way]["ok"], (way, r[way]["text"])
         assert r[way]["keys"] == [TARGETS, TARGETS, TARGETS], way
         assert r[way]["elements"] == ELEMENTS, way
+        # Each rank reads the reference regions its own pieces name: over all ranks, every
+        # element once, and where a shard cuts a head at most twice its rows.
+        itemsize = 2 if way == "bf16" else 4
+        assert ELEMENTS * itemsize <= r[way]["bytes"] <= 2 * ELEMENTS * itemsize, way
+        if world == 2 and way != "small_budget":
+            assert r[way]["bytes"] == ELEMENTS * itemsize, way  # no shard cuts a head
     # The bf16 file against a conversion that does not cast: dtype findings, values compared
     # within bf16's tolerance (a cast must be stated to be compared exactly).
     kinds = {f[1] for f in r["bf16_without_cast"]["findings"]}

@@ -59,3 +59,34 @@ def test_a_conversion_that_is_not_a_strided_map_is_one_error(tmp_path):
     assert f.kind == "error" and "aten.mul" in f.message and "tok.weight" in f.message
     with pytest.raises(fsdpcheck.FingerprintError, match=r"aten\.add"):
         fsdpcheck.fingerprint(m, convert=lambda sd: {"x": sd["tok.weight"] + 1})
+
+
+class Plain(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(4, 6, bias=False)
+        self.b = nn.Linear(6, 2)
+
+
+def test_load_checks_through_the_conversion_it_is_given(tmp_path):
+    """What load checks after loading goes through convert= (the manifest and the files)."""
+    fsdpcheck.save(Plain(0), tmp_path / "ckpt")
+    seen = []
+
+    def same(sd):  # the identity, stated as a conversion: every key as it is
+        seen.append(sorted(sd))
+        return dict(sd)
+
+    for verify in ("fingerprint", "full"):
+        m = Plain(1)
+        r = fsdpcheck.load(m, tmp_path / "ckpt", verify=verify, convert=same)
+        assert r.ok, (verify, str(r))
+        assert seen[-1] == ["a.weight", "b.bias", "b.weight"]
+    seen.clear()
+    m = Plain(1)
+    # A conversion whose layout the checkpoint does not have: the check says so.
+    r = fsdpcheck.load(
+        m, tmp_path / "ckpt", verify="full", convert=lambda sd: {"x": sd["a.weight"]}
+    )
+    assert not r.ok and any(f.key == "x" for f in r.findings)

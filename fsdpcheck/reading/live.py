@@ -85,7 +85,7 @@ def local_parts(
     *,
     for_reading: bool,
 ) -> Iterator[tuple[torch.Tensor, Piece]]:
-    """Each part of the target this rank's shards hold: its view (cast), and its piece.
+    """Each part of the target this rank's shards hold: its view (not cast yet), and its piece.
 
     Args:
         target: The target.
@@ -108,7 +108,8 @@ def local_parts(
                 parts = split_for_reading(sub, target.shape) if for_reading else [sub]
                 for q in parts:
                     for r in cut(q, most):
-                        yield source_view(lp.tensor, lp.box.offset, r, shape), r
+                        # Uncast: a cast is a copy, made when its batch is compared.
+                        yield source_view(lp.tensor, lp.box.offset, r, shape, cast=False), r
 
 
 def buffer_names(live: LiveState) -> set[str]:

@@ -57,7 +57,9 @@ def whole_piece(source: str, shape: Sequence[int]) -> Piece:
     return Piece(shape, (0,) * len(shape), shape, source, 0, row_strides(shape))
 
 
-def source_view(t: torch.Tensor, lo: Sequence[int], p: Piece, shape: Shape) -> torch.Tensor:
+def source_view(
+    t: torch.Tensor, lo: Sequence[int], p: Piece, shape: Shape, *, cast: bool = True
+) -> torch.Tensor:
     """The source elements of piece `p` as a view of `t`, which holds the source box at `lo`.
 
     Args:
@@ -65,15 +67,21 @@ def source_view(t: torch.Tensor, lo: Sequence[int], p: Piece, shape: Shape) -> t
         lo: The box's offset in the source.
         p: An aligned piece whose source elements the box holds.
         shape: The source's global shape.
+        cast: Whether to cast it as the piece says (a copy: ``cast_as`` does it later).
 
     Returns:
-        A view of `t` of shape ``p.size``, cast as the piece says (a cast is a copy).
+        A view of `t` of shape ``p.size``.
     """
     first = unravel(p.start, shape)
     st = t.stride()
     offset = t.storage_offset() + sum((f - a) * s for f, a, s in zip(first, lo, st))
     strides = [m * st[e] if e >= 0 else 0 for e, m in source_digits(p, shape)]
     v = t.as_strided(p.size, strides, offset)
+    return cast_as(v, p) if cast else v
+
+
+def cast_as(v: torch.Tensor, p: Piece) -> torch.Tensor:
+    """`v` cast as piece `p` says (round to nearest even, as ``Tensor.to``), or `v` itself."""
     for c in p.cast:
         v = v.to(getattr(torch, c))
     return v
@@ -369,6 +377,7 @@ __all__ = [
     "SourceKey",
     "along_chunks",
     "box_blocks",
+    "cast_as",
     "kernel_box",
     "piece_blocks",
     "source_view",
