@@ -36,6 +36,7 @@ def source_state(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str,
         sd[p + "feed_forward.w2.weight"] = r(DIM, FF)
         for e in range(EXPERTS):
             sd[p + f"moe.experts.{e}.w1"] = r(FF, DIM)
+        sd[p + "moe.w2"] = r(EXPERTS, DIM, FF)  # stacked: one key per expert in the target
     return sd
 
 
@@ -59,6 +60,8 @@ def to_hf(sd: dict[str, Any], *, dtype: torch.dtype | None = None) -> dict[str, 
         out[q + "mlp.experts.w1"] = torch.stack(
             [sd[p + f"moe.experts.{e}.w1"] for e in range(EXPERTS)]
         )
+        for e, w in enumerate(sd[p + "moe.w2"].unbind(0)):
+            out[q + f"mlp.experts.{e}.w2"] = w
     if dtype is not None:
         out = {k: v.to(dtype) for k, v in out.items()}
     return out
@@ -87,6 +90,7 @@ def _hf_to_source(sd: dict[str, Any]) -> dict[str, Any]:
         out[p + "feed_forward.w2.weight"] = sd[q + "mlp.down_proj.weight"]
         for e, w in enumerate(sd[q + "mlp.experts.w1"].unbind(0)):
             out[p + f"moe.experts.{e}.w1"] = w
+        out[p + "moe.w2"] = torch.stack([sd[q + f"mlp.experts.{e}.w2"] for e in range(EXPERTS)])
     return out
 
 
@@ -120,6 +124,8 @@ SPEC: dict[str, Any] = {
          "to": "model.layers.{i}.mlp.down_proj.weight"},
         {"from": "layers.{i}.moe.experts.{e*}.w1", "to": "model.layers.{i}.mlp.experts.w1",
          "ops": [{"op": "stack", "dim": 0}]},
+        {"from": "layers.{i}.moe.w2", "to": "model.layers.{i}.mlp.experts.{e*}.w2",
+         "ops": [{"op": "unbind", "dim": 0}]},
     ],
 }  # fmt: skip
 

@@ -32,6 +32,7 @@ FAULT_KEYS = {
     "gate_up_swapped": [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)],
     "zeros": ["model.layers.0.mlp.down_proj.weight"],
     "experts_swapped": ["model.layers.1.mlp.experts.w1"],
+    "unstacked_swapped": ["model.layers.0.mlp.experts.0.w2", "model.layers.0.mlp.experts.2.w2"],
 }
 
 
@@ -77,6 +78,9 @@ def faulty(fault: str) -> dict[str, torch.Tensor]:
     elif fault == "experts_swapped":
         key = FAULT_KEYS["experts_swapped"][0]
         sd[key] = sd[key][[0, 2, 1]].clone()
+    elif fault == "unstacked_swapped":
+        a, b = FAULT_KEYS["unstacked_swapped"]
+        sd[a], sd[b] = sd[b], sd[a]
     elif fault == "one_element":
         sd[PLANT[0]][PLANT[1]] += 1.0
     return sd

@@ -12,7 +12,7 @@ from tests.dist_harness import Checks, Spawns
 SCENARIOS_MODULE = "tests.convert_scenarios"
 CASES = REGISTRY.cases()
 checks = Checks(REGISTRY)
-TARGETS = 2 + 7 * cc.LAYERS
+TARGETS = 2 + 10 * cc.LAYERS
 ELEMENTS = sum(v.numel() for v in cc.source_state().values())
 
 

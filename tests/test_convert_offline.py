@@ -48,7 +48,7 @@ def test_clean_conversion_is_ok_stated_each_way(way, source_dir, tmp_path):
     hf = write(tmp_path, cc.converted(cc.source_state()))
     r = fsdpcheck.compare_checkpoints(source_dir, hf, convert=WAYS[way]())
     assert r.ok, str(r)
-    assert r.keys_checked == 2 + 7 * cc.LAYERS
+    assert r.keys_checked == 2 + 10 * cc.LAYERS
     assert r.elements_checked == sum(v.numel() for v in cc.source_state().values())
 
 
@@ -56,7 +56,7 @@ def test_without_the_conversion_the_report_says_the_naming_differs(source_dir, t
     hf = write(tmp_path, cc.converted(cc.source_state()))
     r = fsdpcheck.compare_checkpoints(source_dir, hf)
     assert not r.ok
-    assert any("1 of 20 names pair; the two sides use different naming" in n for n in r.notes), (
+    assert any("1 of 22 names pair; the two sides use different naming" in n for n in r.notes), (
         r.notes
     )
     assert any("--convert" in n for n in r.notes)
@@ -85,6 +85,10 @@ def test_one_element_changed_after_conversion_is_named_at_both_ends(source_dir, 
         ("gate_up_swapped", [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)]),
         ("zeros", ["model.layers.0.mlp.down_proj.weight"]),
         ("experts_swapped", ["model.layers.1.mlp.experts.w1"]),
+        (
+            "unstacked_swapped",
+            ["model.layers.0.mlp.experts.0.w2", "model.layers.0.mlp.experts.2.w2"],
+        ),
         ("transpose_forgotten", ["model.layers.0.self_attn.o_proj.weight"]),
     ],
 )
@@ -108,6 +112,8 @@ def test_planted_conversion_bugs_name_exactly_the_affected_keys(fault, keys, sou
         sd[keys[0]] = torch.zeros_like(sd[keys[0]])
     elif fault == "experts_swapped":
         sd[keys[0]] = sd[keys[0]][[0, 2, 1]].clone()
+    elif fault == "unstacked_swapped":
+        sd[keys[0]], sd[keys[1]] = sd[keys[1]], sd[keys[0]]
     elif fault == "transpose_forgotten":
         sd[keys[0]] = src["layers.0.attention.wo.weight"].clone()
     for way in WAYS:
