@@ -5,6 +5,7 @@ Examples:
     fsdpcheck inspect ckpt/ --show-mapping  # layout, how keys map, shapes, chunks, coverage
     fsdpcheck compare ckpt/ model.safetensors --rtol 1e-3   # a conversion against its source
     fsdpcheck compare step-10/ hf/ --ignore 'optim.*'       # training checkpoint vs model only
+    fsdpcheck compare step-10/ hf/ --ignore 'optim.*' --convert mypkg.conv:to_hf  # a conversion
     fsdpcheck fingerprint ckpt/ --json      # Fingerprint v1 of every tensor, offline
     fsdpcheck audit ckpt/ --deep            # chunks tile every tensor, files whole, manifest
     python -m fsdpcheck audit ckpt/         # the same, without the console script
@@ -234,6 +235,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a dtype difference is a note, not a finding (a conversion: give --rtol/--atol)",
     )
     p.add_argument("--show-mapping", action="store_true", help="print how tensors were paired")
+    _convert_option(p, "actual's layout into expected's")
     p.add_argument(
         "--device", type=_device, default=None, help="cpu or cuda (default: cuda when present)"
     )
@@ -244,6 +246,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--ignore", action="append", default=[], metavar="PATTERN")
     p.add_argument("--memory-budget", type=_size, default=1 << 30)
+    _convert_option(p, "the checkpoint's model tensors (fingerprints of the converted layout)")
     p.set_defaults(run=_fingerprint)
 
     p = sub.add_parser("audit", parents=[common], help="check a checkpoint's structure")
@@ -254,6 +257,16 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", parents=[common], help="which backends were compiled")
     p.set_defaults(run=_info)
     return parser
+
+
+def _convert_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--convert",
+        default=None,
+        metavar="MODULE:ATTR|SPEC.json",
+        help=f"a conversion of {what}: a function F(state_dict) -> state_dict or an adapter "
+        "with to_hf/from_hf named as module:attr (importable from here), or a JSON spec file",
+    )
 
 
 def _size(text: str) -> int:
@@ -330,7 +343,7 @@ def _fingerprint(args: argparse.Namespace) -> int:
 
     fps, notes = _agreed(
         lambda: checkpoint_fingerprints(
-            args.path, ignore=args.ignore, memory_budget=args.memory_budget
+            args.path, ignore=args.ignore, memory_budget=args.memory_budget, convert=args.convert
         )
     )
     if args.json:
@@ -362,6 +375,7 @@ def _compare(args: argparse.Namespace) -> int:
             device=args.device,
             memory_budget=args.memory_budget,
             progress=_progress_bar() if bar else None,
+            convert=args.convert,
         )
     )
     if bar:

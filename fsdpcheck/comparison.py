@@ -26,18 +26,20 @@ import pickle
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from fsdpcheck import _collector, matching, offline_dist, ops
+from fsdpcheck.checks import coverage, pair_checks, problem_findings
+from fsdpcheck.convert import Conversion, Piece, Target, compile_conversion
 from fsdpcheck.formats import CheckpointInfo, describe_path
-from fsdpcheck.kernels import SUPPORTED_DTYPES
 from fsdpcheck.keys import checkpoint_keys
-from fsdpcheck.readplan import row_blocks
+from fsdpcheck.reading.plan import Plan, SourceKey
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
-from fsdpcheck.sources import Region, Source, open_source
-from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
+from fsdpcheck.sources import Source, open_source
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import CheckSettings, tolerance
 
@@ -61,6 +63,7 @@ def compare_checkpoints(
     device: str | torch.device | None = None,
     memory_budget: int = 1 << 30,
     progress: Progress | None = None,
+    convert: Any = None,
 ) -> Report:
     """Compares every tensor of `actual` with the same tensor of `expected`.
 
@@ -83,6 +86,11 @@ def compare_checkpoints(
         memory_budget: Bytes of both checkpoints' data held at once (per process).
         progress: Called with (bytes done, bytes in all) as the comparison advances (under
             torchrun: this process's share).
+        convert: How `actual`'s layout becomes `expected`'s (``fsdpcheck.convert``: a function
+            ``F(state_dict) -> state_dict``, an adapter with ``to_hf``/``from_hf``, a spec or
+            its JSON file, ``"module:attr"``, a Conversion). Each tensor of `expected` is then
+            compared, piece by piece, with what the conversion makes of `actual`'s tensors,
+            without running it on any data; findings are in `expected`'s names and indices.
 
     Returns:
         A Report: "missing" (in `expected` only), "unexpected" (in `actual` only), "shape",
@@ -90,7 +98,7 @@ def compare_checkpoints(
     """
     with _collector.paused():  # NOTE: [collector]
         settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
-        return _compare_checkpoints(actual, expected, settings, device, progress)
+        return _compare_checkpoints(actual, expected, settings, device, progress, convert)
 
 
 def _compare_checkpoints(
@@ -99,6 +107,7 @@ def _compare_checkpoints(
     settings: CheckSettings,
     device: str | torch.device | None,
     progress: Progress | None,
+    convert: Any = None,
 ) -> Report:
     t0 = time.perf_counter()
     session = offline_dist.current()
@@ -111,11 +120,14 @@ def _compare_checkpoints(
     try:
         infos = (_describe(actual), _describe(expected))
         world = session.world if session is not None and request is not None else 1
-        job = _CompareJob(sa, sb, settings, dev, world, progress)
+        job = _CompareJob(sa, sb, settings, dev, world, progress, convert)
+        if request is not None and job.conv is not None:
+            # The other processes compile the same conversion from its data.
+            request = offline_dist.Request("compare", (*request.args, job.conv.to_spec()))
         if session is not None and request is not None:
             tally = session.run(request, job)
         else:
-            tally = job.measure(range(len(job.block_bytes)))
+            tally = job.measure(range(len(job.sizes())))
         report = job.report(tally, t0)
         for side, info in zip(("actual", "expected"), infos):
             report.notes += [f"{side}: {n}" for n in (info.notes if info else [])]
@@ -131,11 +143,15 @@ def serve_compare(
     expected: str,
     settings: CheckSettings,
     device: str | None,
+    convert: dict[str, Any] | None = None,
 ) -> _CompareJob:
-    """The job of a comparison another process of the launch asked for (``offline_dist``)."""
+    """The job of a comparison another process of the launch asked for (``offline_dist``).
+
+    `convert` is the compiled conversion's data (``Conversion.to_spec``) when there is one.
+    """
     sa, sb = _open_both(actual, expected)
     try:
-        job = _CompareJob(sa, sb, settings, session.device(device), session.world)
+        job = _CompareJob(sa, sb, settings, session.device(device), session.world, None, convert)
     except BaseException:
         sa.close()
         sb.close()
@@ -226,17 +242,21 @@ class _Pairs:
 
 
 class _CompareJob:
-    """A comparison's plan (the pairs, their row blocks) and the comparing of a share of it.
+    """A comparison's plan (the pairs, their blocks) and the comparing of a share of it.
 
-    The plan depends on the two checkpoints' metadata, the settings and the number of processes
-    only, so every process of a launch computes the same one (``offline_dist.Job``).
+    The plan depends on the two checkpoints' metadata, the settings, the conversion and the
+    number of processes only, so every process of a launch computes the same one
+    (``offline_dist.Job``). Through a conversion (`convert`), side A's model tensors are the
+    conversion's targets, each compared piece by piece (``reading.plan.Plan``): findings are in
+    `expected`'s names and indices, each maximum with the tensor and index of `actual` it
+    comes from.
 
     NOTE: [compare memory] At a million tensors every object kept per tensor costs ~100 MB, so
     the plan is columns: a list per field of the pairs (strings, shapes and dtypes shared with
-    the sources), three int64 arrays for the row blocks (pair, elements, bytes) and the offset
-    and size of the few blocks that are not a whole tensor; the keys and the pairing are
-    dropped once the plan is made, and batches are ranges of block numbers. The expected
-    side holds the names both sides have as the actual side's strings (``share_names``).
+    the sources), three int64 arrays for the blocks (pair, elements, bytes) and the offset and
+    size of the few blocks that are not a whole tensor; the keys and the pairing are dropped
+    once the plan is made, and batches are ranges of block numbers. The expected side holds
+    the names both sides have as the actual side's strings (``share_names``).
     """
 
     def __init__(
@@ -247,29 +267,62 @@ class _CompareJob:
         dev: torch.device,
         world: int = 1,
         progress: Progress | None = None,
+        convert: Any = None,
     ) -> None:
         self.sa, self.sb, self.s, self.dev, self.progress = sa, sb, s, dev, progress
         self.owns_sources = False
         ka = checkpoint_keys(sa)
         kb = checkpoint_keys(sb)
+        self.conv: Conversion | None = None
+        side_a = ka
+        notes: list[str] = []
+        if convert is not None:
+            self.conv = conv = compile_conversion(
+                convert, _model_sources(ka), other_names=_names(kb)
+            )
+            # Side A's model tensors are the conversion's targets (its optimizer state as saved).
+            side_a = replace(ka, model=cast(dict[str, Any], dict(conv.targets)))
+            notes.append(
+                f"actual converted by {conv.description}: {len(conv.targets)} tensor(s) from "
+                f"{len(conv.sources)}"
+            )
+            notes += conv.notes
         m = matching.match_checkpoints(
-            ka, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map,
+            side_a, kb, read_a=sa.read_objects, read_b=sb.read_objects, key_map=s.key_map,
             ignore=s.ignore, pair_rows=False,
         )  # fmt: skip
         self.skeleton = Report(
-            reference=sb.description, world_size=1, notes=list(m.notes), side_a="actual",
-            side_b="expected",
+            reference=sb.description, world_size=1, notes=notes + list(m.notes),
+            side_a="actual", side_b="expected",
         )  # fmt: skip
         self.skeleton.keys_a, self.skeleton.keys_b = ka.tensor_count(), kb.tensor_count()
         self.rows = m.rows
         findings: list[Finding] = list(m.findings)
-        bad = _problem_keys(sa, ka, "actual", findings) | _problem_keys(
-            sb, kb, "expected", findings
-        )
+        names_a = {r.key: r.name for r in ka.rows}
+        names_b = {r.key: r.name for r in kb.rows}
+        got_a, bad_a = problem_findings(sa.problems(), lambda k: names_a.get(k, k), "actual: ")
+        got_b, bad_b = problem_findings(sb.problems(), lambda k: names_b.get(k, k), "expected: ")
+        findings += got_a + got_b
+        sources: dict[str, SourceKey] = {}
+        gaps: dict[str, str] = {}
+        if self.conv is not None:
+            conv = self.conv
+            self.skeleton.keys_a = len(conv.targets) + sum(
+                1 for r in ka.state.values() if r.entry.is_tensor
+            )
+            more, rows = coverage(conv, "in actual")
+            findings += more
+            self.rows += rows
+            gaps = conv.target_problems()
+            own = {name: r.key for name, r in ka.model.items()}
+            for name, (shape, dtype) in conv.sources.items():
+                sources[name] = SourceKey(own[name], shape, getattr(torch, dtype))
         self.pairs = _Pairs()
+        self.targets: dict[int, str] = {}  # pair -> its conversion target
+        converted: dict[int, tuple[Piece, ...]] = {}
         self.bytes_read = 0
-        converted: dict[tuple[str, str, float, float], int] = {}
-        tolerances: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
+        widths: dict[tuple[torch.dtype, torch.dtype], tuple[float, float]] = {}
+        dtype_notes: dict[tuple[str, str, float, float], int] = {}
         held_a, held_b = ka.placeholders, kb.placeholders
         placeholders = held_a or held_b
         # The pairs are turned into columns one by one, each dropped once used, and the keys'
@@ -280,45 +333,47 @@ class _CompareJob:
         while pairs:
             pair = pairs.pop()
             name, a, b = pair.name, pair.a, pair.b
-            ea, eb = a.entry, b.entry
-            if name in bad:
+            eb = b.entry
+            if isinstance(a, Target):
+                key_a, shape, da = a.name, a.shape, getattr(torch, a.dtype)
+                broken = name in gaps or any(sources[p.source].key in bad_a for p in a.pieces)
+            else:
+                ea = a.entry
+                key_a, shape, da = a.key, ea.shape, ea.dtype
+                broken = a.key in bad_a
+            if broken or b.key in bad_b:
                 self.rows.append(MappingRow(name, b.key, "skipped", "storage problem"))
                 continue
-            held = placeholders and (held_a.get(a.key) or held_b.get(b.key))
-            if held:
-                findings.append(Finding(name, "skipped", held))
-                self.rows.append(MappingRow(name, b.key, "skipped", "a placeholder"))
-                continue
-            if ea.shape != eb.shape:
-                findings.append(
-                    Finding(name, "shape", f"{ea.shape} in actual, {eb.shape} in expected")
+            held = placeholders and (held_a.get(key_a) or held_b.get(b.key))
+            got, skip = pair_checks(
+                name, (shape, da), (eb.shape, eb.dtype), matching.FILES,
+                check_dtype=s.check_dtype, placeholder=held or None,
+            )  # fmt: skip
+            findings += got
+            if skip is not None:
+                self.rows.append(
+                    MappingRow(
+                        name, b.key, "compared" if skip == "shape" else "skipped", _WHY[skip]
+                    )
                 )
-                self.rows.append(MappingRow(name, b.key, "compared"))
                 continue
-            da, db = ea.dtype, eb.dtype
-            if da not in SUPPORTED_DTYPES or db not in SUPPORTED_DTYPES:
-                findings.append(
-                    Finding(name, "skipped", f"{da} / {db} cannot be compared element-wise")
-                )
-                self.rows.append(MappingRow(name, b.key, "skipped", "unsupported dtype"))
-                continue
+            db = eb.dtype
             assert da is not None and db is not None
-            tol = tolerances.get((da, db))
+            tol = widths.get((da, db))
             if tol is None:
-                tol = tolerances[(da, db)] = tolerance(da, db, s.rtol, s.atol)
+                tol = widths[(da, db)] = tolerance(da, db, s.rtol, s.atol)
             if da != db:
-                if s.check_dtype:
-                    findings.append(Finding(name, "dtype", f"{da} in actual, {db} in expected"))
                 what = (_dtype_name(da), _dtype_name(db), *tol)
-                converted[what] = converted.get(what, 0) + 1
-            shape = ea.shape
+                dtype_notes[what] = dtype_notes.get(what, 0) + 1
             numel = math.prod(shape)
             if numel >= 1 << 63:
                 raise ValueError(f"{name}: a global shape {shape} of 2**63 elements or more")
-            self.pairs.add(name, a.key, b.key, shape, da, db, tol)
-            self.bytes_read += numel * (da.itemsize + db.itemsize)
+            if isinstance(a, Target):
+                self.targets[len(self.pairs)] = a.name
+                converted[len(self.pairs)] = a.pieces
+            self.pairs.add(name, key_a, b.key, shape, da, db, tol)
         self.findings = findings
-        for (na, nb, rt, at), n in sorted(converted.items()):
+        for (na, nb, rt, at), n in sorted(dtype_notes.items()):
             given = s.rtol is not None or s.atol is not None
             how = (
                 "the tolerances given" if given else "torch.testing's defaults for the less precise"
@@ -332,7 +387,7 @@ class _CompareJob:
                     else "; the dtype difference is not a finding (check_dtype=False)"
                 )
             )
-        # Every pair's row blocks, then batches of blocks: one kernel call per batch (per
+        # Every pair's blocks, then batches of blocks: one kernel call per batch (per
         # tolerance), with the next batch read while this one is compared (NOTE: [prefetch]).
         # Two batches are in flight, so each holds at most half the budget (both sides).
         self.step = batch_bytes(s.budget)
@@ -340,34 +395,40 @@ class _CompareJob:
         both = [da.itemsize + db.itemsize for da, db in zip(p.dtypes_a, p.dtypes_b)]
         total = sum(math.prod(shape) * n for shape, n in zip(p.shapes, both))
         self.piece = offline_dist.piece_bytes(total, world, self.step)
-        #: Per block: its pair, elements and bytes (both sides); `cut` holds (offset, size) of
-        #: the blocks that are not their whole tensor (whose box is implied).
-        self.block_pair = array("q")
-        self.block_numel = array("q")
-        self.block_bytes = array("q")
-        self.cut: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.plan = plan = Plan(sources)
         for i, (shape, width) in enumerate(zip(p.shapes, both)):
-            numel = math.prod(shape)
-            if numel * width <= self.piece or not shape or shape[0] <= 1:
-                self.block_pair.append(i)
-                self.block_numel.append(numel)
-                self.block_bytes.append(numel * width)
-                continue
-            for off, size in row_blocks((0,) * len(shape), shape, width, self.piece):
-                n = math.prod(size)
-                self.cut[len(self.block_pair)] = (off, size)
-                self.block_pair.append(i)
-                self.block_numel.append(n)
-                self.block_bytes.append(n * width)
+            pieces = converted.get(i)
+            if pieces is not None:
+                plan.add_pieces(i, pieces, shape, p.dtypes_b[i].itemsize, self.piece)
+            else:
+                plan.add_tensor(i, shape, width, self.piece)
+        self.bytes_read = sum(plan.block_bytes)
+
+    # The plan's columns, as the tests and benchmarks read them.
+    @property
+    def block_pair(self) -> array:
+        """Each block's pair."""
+        return self.plan.block_pair
+
+    @property
+    def block_bytes(self) -> array:
+        """Each block's bytes (both sides)."""
+        return self.plan.block_bytes
+
+    @property
+    def cut(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(offset, size) of the blocks that are a box of their tensor but not all of it."""
+        return self.plan.cut
 
     # -- offline_dist.Job --------------------------------------------------------------------
     def digest(self) -> int:
-        """The plan: every compared pair (names, keys, shapes, dtypes, tolerances), the cut."""
+        """The plan: the conversion, every compared pair and tolerance, the cut."""
         from fsdpcheck.collectives import digest
 
         p = self.pairs
         return digest(
             (
+                self.conv.digest() if self.conv is not None else "",
                 self.piece,
                 len(self.findings),
                 [
@@ -376,46 +437,37 @@ class _CompareJob:
                         p.names, p.keys_a, p.keys_b, p.shapes, p.dtypes_a, p.dtypes_b, p.tols
                     )
                 ],
+                self.plan.digest_items() if self.plan.pieces else len(self.plan),
             )
         )
 
     def sizes(self) -> Sequence[int]:
         """Bytes of each block (both sides)."""
-        return self.block_bytes
-
-    def _regions(self, batch: range, keys: list[str]) -> list[Region]:
-        pair, shapes, cut = self.block_pair, self.pairs.shapes, self.cut
-        out = []
-        for j in batch:
-            i = pair[j]
-            box = cut.get(j)
-            if box is None:
-                shape = shapes[i]
-                out.append(Region(keys[i], (0,) * len(shape), shape))
-            else:
-                out.append(Region(keys[i], *box))
-        return out
+        return self.plan.block_bytes
 
     def measure(self, items: range) -> _Tally:
         """Compares the blocks `items` of the plan (reading them, two batches in flight)."""
         tally = _Tally(len(self.pairs))
-        sizes = self.block_bytes
+        plan, p = self.plan, self.pairs
+        sizes = plan.block_bytes
         total, done = sum(sizes[items.start : items.stop]), 0
-        plan = (
+        reads = (
             (
                 batch,
                 [
-                    (self.sa, self._regions(batch, self.pairs.keys_a)),
-                    (self.sb, self._regions(batch, self.pairs.keys_b)),
+                    (self.sa, plan.regions(batch, p.keys_a, p.shapes, "a")),
+                    (self.sb, plan.regions(batch, p.keys_b, p.shapes, "b")),
                 ],
             )
-            for batch in batch_ranges(sizes, items, self.step)
+            for batch in plan.batches(items, self.step)
         )
-        for batch, (xa, xb) in Prefetcher(self.dev).run(plan):
-            table = self._compare(batch, xa, xb)
+        for batch, (xa, xb) in Prefetcher(self.dev).run(reads):
+            va = plan.views(batch, xa, p.shapes, "a")
+            vb = plan.views(batch, xb, p.shapes, "b")
+            table = self._compare(batch, va, vb)
             a, b = batch.start, batch.stop
-            ids = torch.tensor(self.block_pair[a:b], dtype=torch.int64)
-            numel = torch.tensor(self.block_numel[a:b], dtype=torch.int64)
+            ids = torch.tensor(plan.block_pair[a:b], dtype=torch.int64)
+            numel = torch.tensor(plan.block_numel[a:b], dtype=torch.int64)
             tally.add(ids, numel, table)
             done += sum(sizes[a:b])
             if self.progress is not None:
@@ -443,7 +495,7 @@ class _CompareJob:
 
         NOTE: [one read-back] in kernels: every call is queued before any result is read.
         """
-        pair, tols = self.block_pair, self.pairs.tols
+        pair, tols = self.plan.block_pair, self.pairs.tols
         groups: dict[tuple[float, float], list[int]] = {}
         for j in batch:
             groups.setdefault(tols[pair[j]], []).append(j - batch.start)
@@ -452,14 +504,7 @@ class _CompareJob:
             one = len(groups) == 1
             a = xa if one else [xa[j] for j in idx]
             e = xb if one else [xb[j] for j in idx]
-            shapes: list[int] = []
-            offsets: list[int] = []
-            if self.cut and any(batch.start + j in self.cut for j in idx):
-                for j in idx:
-                    shape = self.pairs.shapes[pair[batch.start + j]]
-                    box = self.cut.get(batch.start + j)
-                    shapes.extend(shape)
-                    offsets.extend(box[0] if box is not None else (0,) * len(shape))
+            shapes, offsets = self.plan.boxes([batch.start + j for j in idx], self.pairs.shapes)
             with torch.no_grad():
                 tables.append(
                     ops.compare_rows(a, e, shapes, offsets, rt, at, self.s.equal_nan, False, True)
@@ -478,11 +523,15 @@ class _CompareJob:
         p = self.pairs
         for i in tally.mismatched():
             rt, at = p.tols[i]
+            stats = tally.stats(i)
             f = Finding.value(
-                p.names[i], tally.stats(i), p.shapes[i], rtol=rt, atol=at, with_ranks=False
-            )
-            f.message = f.message.replace("on the checked side", "in actual")
-            f.message = f.message.replace("in the reference", "in expected")
+                p.names[i], stats, p.shapes[i], rtol=rt, atol=at, with_ranks=False,
+                checked="in actual", reference="in expected",
+            )  # fmt: skip
+            target = self.targets.get(i)
+            if target is not None and self.conv is not None:
+                f.abs_source = _located(self.conv, target, stats.max_abs_idx)
+                f.rel_source = _located(self.conv, target, stats.max_rel_idx)
             findings.append(f)
         report.elements_checked = tally.elements()
         report.bytes_read = self.bytes_read
@@ -494,6 +543,29 @@ class _CompareJob:
         report.findings = normalized(findings)
         report.seconds = time.perf_counter() - t0
         return report
+
+
+#: A mapping row's reason for a pair ``checks.pair_checks`` keeps from the comparison.
+_WHY = {"shape": "", "unsupported dtype": "unsupported dtype", "a placeholder": "a placeholder"}
+
+
+def _model_sources(keys: matching.CheckpointKeys) -> dict[str, tuple[Any, Any]]:
+    """A checkpoint's model tensors as a conversion's sources: name -> (shape, dtype)."""
+    return {
+        name: (r.entry.shape, r.entry.dtype)
+        for name, r in keys.model.items()
+        if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
+    }
+
+
+def _names(keys: matching.CheckpointKeys) -> set[str]:
+    """A checkpoint's canonical names and own keys (what a conversion's output may be called)."""
+    return set(keys.model) | {r.key for r in keys.rows}
+
+
+def _located(conv: Conversion, target: str, index: int) -> tuple[str, tuple[int, ...]] | None:
+    """The source element a target element is made of (None without an index)."""
+    return conv.locate(target, index) if index >= 0 else None
 
 
 # Columns of an operator row summed per pair (after the elements, which the plan knows), and
@@ -613,19 +685,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _describe(reference: Any) -> CheckpointInfo | None:
     return describe_path(reference) if isinstance(reference, (str, os.PathLike)) else None
-
-
-def _problem_keys(
-    source: Source, keys: matching.CheckpointKeys, side: str, findings: list[Finding]
-) -> set[str]:
-    """Storage problems as findings (named by canonical name); the names they make unreadable."""
-    problems = source.problems()
-    if not problems:
-        return set()
-    names = {r.key: r.name for r in keys.rows}
-    bad = set()
-    for key, kind, message in problems:
-        name = names.get(key, key)
-        findings.append(Finding(name, kind if kind == "gap" else "error", f"{side}: {message}"))
-        bad.add(name)
-    return bad

@@ -22,13 +22,13 @@ from fsdpcheck.errors import FingerprintError, describe_error
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.readplan import row_blocks
 from fsdpcheck.report import Finding, Report, normalized
-from fsdpcheck.sources import Region, Source, open_source, refuse_problems
-from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes, batch_ranges
+from fsdpcheck.sources import Source, open_source, refuse_problems
+from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.tolerances import checked_budget, checked_patterns
 
 if TYPE_CHECKING:
+    from fsdpcheck.convert import Conversion
     from fsdpcheck.layout import Layout, Meta
 
 # The live side (collectives, layouts, the model walk, torch.distributed) is imported where it
@@ -65,6 +65,7 @@ def fingerprint(
     *,
     optimizer: Any = None,
     group: Any = None,
+    convert: Any = None,
 ) -> dict[str, int]:
     """Fingerprint v1 of every model (and optimizer) entry, identical on every rank.
 
@@ -79,6 +80,11 @@ def fingerprint(
         model_or_state_dict: An nn.Module or a state dict of DTensors / ShardedTensors / tensors.
         optimizer: An optimizer (with a module) or an FQN-keyed optimizer state dict.
         group: The process group (default: the default group, or none).
+        convert: A conversion of the model's layout (``fsdpcheck.convert``): the fingerprints
+            are then those of the converted layout (each rank hashes the parts of the converted
+            tensors its shards hold at their converted global indices; no data moves), equal to
+            ``fingerprint_checkpoint`` of a converted file. None: the model's own declared
+            conversion, if any.
 
     Returns:
         Key -> fingerprint, sorted; optimizer entries are keyed ``optim.state.<fqn>.<name>``.
@@ -86,8 +92,10 @@ def fingerprint(
     Raises:
         FingerprintError: On every rank, when a value cannot be fingerprinted.
     """
-    result = fingerprint_report(model_or_state_dict, optimizer=optimizer, group=group)
-    bad = [f for f in result.findings if f.kind in ("layout", "error", "missing")]
+    result = fingerprint_report(
+        model_or_state_dict, optimizer=optimizer, group=group, convert=convert
+    )
+    bad = [f for f in result.findings if f.kind in ("layout", "error", "missing", "gap")]
     if bad:
         raise FingerprintError("; ".join(f"{f.key}: {f.message}" for f in bad))
     return result.fingerprints
@@ -120,6 +128,7 @@ def fingerprint_report(
     *,
     optimizer: Any = None,
     group: Any = None,
+    convert: Any = None,
 ) -> FingerprintResult:
     """Fingerprints and replica findings in one pass (see ``fingerprint``).
 
@@ -130,13 +139,14 @@ def fingerprint_report(
     check compares every copy with them.
     """
     with _collector.paused():  # NOTE: [collector]: objects per key
-        return _fingerprint_report(model_or_state_dict, optimizer, group)
+        return _fingerprint_report(model_or_state_dict, optimizer, group, convert)
 
 
 def _fingerprint_report(
     model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
     optimizer: Any,
     group: Any,
+    convert: Any = None,
 ) -> FingerprintResult:
     from fsdpcheck.collectives import Comm, combine, gather_findings
     from fsdpcheck.keyset import agree_keys
@@ -149,6 +159,10 @@ def _fingerprint_report(
     live = None
     error = None
     try:
+        if convert is None:
+            from fsdpcheck.convert.declared import declared_conversion
+
+            convert = declared_conversion(model_or_state_dict)
         live = live_state(model_or_state_dict, optimizer)
     except Exception as exc:  # never leave the other ranks waiting in the agreement below
         error = describe_error(exc)
@@ -159,6 +173,8 @@ def _fingerprint_report(
         result.findings = [Finding("*", "error", ks.error, rank=rank, ranks=ks.error_ranks)]
         return result
     assert live is not None
+    if convert is not None:
+        return _converted_fingerprints(comm, ks, live, convert, result)
     result.tied = dict(ks.live.tied)
     result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
@@ -218,9 +234,160 @@ def _fingerprint_report(
     return result
 
 
+def _converted_fingerprints(
+    comm: Any, ks: Any, live: Any, convert: Any, result: FingerprintResult
+) -> FingerprintResult:
+    """``fingerprint`` through a conversion: the parts of the targets each rank holds, hashed.
+
+    Every rank compiles the conversion from the job's names and global shapes (the same
+    everywhere, or the same error everywhere), hashes the parts of each target its shards hold
+    at the target's global indices, and the sums are combined as for any key: a target's
+    fingerprint is that of the converted tensor.
+    """
+    from fsdpcheck.collectives import combine, gather_findings
+    from fsdpcheck.layout import Meta
+    from fsdpcheck.reading.live import (
+        buffer_names,
+        compile_for_live,
+        local_parts,
+        source_layouts,
+    )
+    from fsdpcheck.reading.plan import cast_as, kernel_box
+    from fsdpcheck.stats import KeyStats
+
+    try:
+        conv = compile_for_live(convert, ks.live, buffers=buffer_names(live))
+    except Exception as exc:  # compiled from agreed names: every rank fails alike
+        result.findings = [Finding("*", "error", describe_error(exc))]
+        return result
+    local: list[Finding] = [Finding(k, kind, msg) for k, kind, msg in live.problems]
+    broken = conv.target_problems()
+    for name, why in broken.items():
+        local.append(Finding(name, "gap", why))
+    values = live.tensors()
+    state = {k: v for k, v in ks.live.tensors().items() if k.startswith("optim.state.")}
+    keys = sorted(set(conv.targets) | set(state))
+    result.metas = {k: state[k] for k in state}
+    result.metas.update({k: Meta(t.shape, t.dtype) for k, t in conv.targets.items()})
+    stats = [KeyStats() for _ in keys]
+    shapes = {k: v[0] for k, v in conv.sources.items()}
+    cache: dict[str, Any] = {}
+    try:
+        tensors: list[torch.Tensor] = []
+        boxes: list[Any] = []
+        owners: list[int] = []
+        casts: list[tuple[int, torch.Tensor, Any]] = []
+        for i, key in enumerate(keys):
+            t = conv.targets.get(key)
+            if t is None:  # optimizer state: hashed as it is
+                value = values.get(key)
+                if value is None:
+                    continue
+                lay = result.layouts[key] = local_layout_of(value, comm.world)
+                if lay.error is not None or lay.dtype not in SUPPORTED_DTYPES:
+                    local.append(Finding(key, "layout", lay.error or f"dtype {lay.dtype}"))
+                    stats[i].errors = 1
+                    continue
+                stats[i].holders, stats[i].owner, stats[i].mesh_ranks = 1, lay.owner, lay.mesh_ranks
+                if lay.pieces:
+                    stats[i].fp = 0
+                for piece in lay.pieces:
+                    tensors.append(piece.tensor)
+                    boxes.append(piece.box)
+                    owners.append(i)
+                continue
+            if key in broken:
+                stats[i].errors = 1
+                continue
+            layouts, err = source_layouts(t, values, comm.world, cache)
+            if err is not None:
+                local.append(Finding(key, "layout", err))
+                stats[i].errors = 1
+                continue
+            if not layouts:
+                continue  # another stage's
+            if getattr(torch, t.dtype) not in SUPPORTED_DTYPES:
+                local.append(Finding(key, "layout", f"dtype {t.dtype} cannot be fingerprinted"))
+                stats[i].errors = 1
+                continue
+            first = next(iter(layouts.values()))
+            stats[i].holders, stats[i].owner = 1, first.owner
+            stats[i].mesh_ranks = first.mesh_ranks
+            stats[i].fp = 0
+            for view, q in local_parts(t, layouts, shapes, _CAST_BLOCK, for_reading=False):
+                if q.cast:
+                    casts.append((i, view, q))
+                    continue
+                tensors.append(view)
+                boxes.append(kernel_box(q))
+                owners.append(i)
+        fps = fingerprint_tensors(tensors, boxes=boxes) if tensors else []
+        for i, box, fp, tensor in zip(owners, boxes, fps, tensors):
+            stats[i].add_copy(fp, box, tensor.numel())
+        # Parts that are cast: hashed a batch of copies at a time, never all at once.
+        for batch in _by_bytes(casts, _CAST_BLOCK):
+            views = [cast_as(v, q) for _, v, q in batch]
+            got = fingerprint_tensors(views, boxes=[kernel_box(q) for _, _, q in batch])
+            for (i, _, q), fp in zip(batch, got):
+                stats[i].add_copy(fp, kernel_box(q), q.numel)
+    except Exception as exc:  # never leave the other ranks waiting in the reductions below
+        local.append(Finding("*", "error", describe_error(exc)))
+    combined, _ = combine(comm, stats)
+    findings = list(ks.findings) + gather_findings(comm, local)
+    for key, c in zip(keys, combined):
+        if c.errors or c.fingerprint is None:
+            continue
+        t = conv.targets.get(key)
+        numel = math.prod(t.shape if t is not None else state[key].shape)
+        if c.replicas_disagree:
+            findings.append(Finding.replica(key, c.replica_groups))
+        if c.covered != numel:
+            findings.append(
+                Finding(
+                    key,
+                    "layout",
+                    f"the ranks' parts cover {c.covered} of {numel} elements (overlapping or "
+                    "missing shards); its fingerprint would be wrong",
+                )
+            )
+            continue
+        result.fingerprints[key] = c.fingerprint
+    result.findings = normalized(findings)
+    return result
+
+
+#: Elements of copies a cast part of a live fingerprint makes at once, at most.
+_CAST_BLOCK = 1 << 25
+
+
+def _by_bytes(items: list[tuple[int, torch.Tensor, Any]], most: int) -> list[list[Any]]:
+    """Consecutive runs of (pair, view, piece) of at most `most` elements each."""
+    out: list[list[Any]] = []
+    held = 0
+    for it in items:
+        n = it[2].numel
+        if not out or held + n > most:
+            out.append([])
+            held = 0
+        out[-1].append(it)
+        held += n
+    return out
+
+
+def local_layout_of(value: Any, world: int) -> Layout:
+    """``layout.local_layout`` (imported where used: offline fingerprints need none of it)."""
+    from fsdpcheck.layout import local_layout
+
+    return local_layout(value, world)
+
+
 # -------------------------------------------------------------------------------------------
 def fingerprint_checkpoint(
-    path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
+    path: Any,
+    *,
+    ignore: Sequence[str] | None = None,
+    memory_budget: int = 1 << 30,
+    convert: Any = None,
 ) -> dict[str, int]:
     """The fingerprints of a checkpoint's model and optimizer tensors, offline (no process group).
 
@@ -235,15 +402,25 @@ def fingerprint_checkpoint(
         path: Any checkpoint ``fsdpcheck.describe_path`` recognises, or an in-memory mapping.
         ignore: fnmatch patterns of names or checkpoint keys to leave out.
         memory_budget: Bytes of checkpoint data held at once.
+        convert: A conversion of the checkpoint's model tensors (``fsdpcheck.convert``): the
+            fingerprints are then those of the converted layout, each piece hashed at its
+            converted global indices (equal to ``fingerprint_checkpoint`` of the converted
+            file); its optimizer state is hashed as it is.
 
     Returns:
         Canonical name -> fingerprint, sorted by name.
     """
-    return checkpoint_fingerprints(path, ignore=ignore, memory_budget=memory_budget)[0]
+    return checkpoint_fingerprints(
+        path, ignore=ignore, memory_budget=memory_budget, convert=convert
+    )[0]
 
 
 def checkpoint_fingerprints(
-    path: Any, *, ignore: Sequence[str] | None = None, memory_budget: int = 1 << 30
+    path: Any,
+    *,
+    ignore: Sequence[str] | None = None,
+    memory_budget: int = 1 << 30,
+    convert: Any = None,
 ) -> tuple[dict[str, int], list[str]]:
     """``fingerprint_checkpoint`` and notes naming every tensor it did not fingerprint.
 
@@ -252,11 +429,11 @@ def checkpoint_fingerprints(
     """
     memory_budget = checked_budget(memory_budget)
     with _collector.paused():  # NOTE: [collector]
-        return _checkpoint_fingerprints(path, checked_patterns(ignore), memory_budget)
+        return _checkpoint_fingerprints(path, checked_patterns(ignore), memory_budget, convert)
 
 
 def _checkpoint_fingerprints(
-    path: Any, ignore: Sequence[str] | None, memory_budget: int
+    path: Any, ignore: Sequence[str] | None, memory_budget: int, convert: Any = None
 ) -> tuple[dict[str, int], list[str]]:
     from fsdpcheck.sources.dcp import DCPSource
 
@@ -271,11 +448,14 @@ def _checkpoint_fingerprints(
     source = open_source(path)
     try:
         world = session.world if session is not None and request is not None else 1
-        job = _HashJob(source, ignore, memory_budget, world)
+        job = _HashJob(source, ignore, memory_budget, world, convert)
+        if request is not None and job.conv is not None:
+            # The other processes compile the same conversion from its data.
+            request = offline_dist.Request("fingerprint", (*request.args, job.conv.to_spec()))
         if session is not None and request is not None:
             sums = session.run(request, job)
         else:
-            sums = job.measure(range(len(job.work)))
+            sums = job.measure(range(len(job.sizes())))
         out = job.fingerprints(sums)
         notes = job.notes
         tied = _manifest_ties(where)
@@ -290,12 +470,16 @@ def _checkpoint_fingerprints(
 
 
 def serve_fingerprints(
-    session: offline_dist.Session, path: str, ignore: Sequence[str] | None, memory_budget: int
+    session: offline_dist.Session,
+    path: str,
+    ignore: Sequence[str] | None,
+    memory_budget: int,
+    convert: dict[str, Any] | None = None,
 ) -> _HashJob:
     """The job of fingerprints another process of the launch asked for (``offline_dist``)."""
     source = open_source(path)
     try:
-        job = _HashJob(source, ignore, memory_budget, session.world)
+        job = _HashJob(source, ignore, memory_budget, session.world, convert)
     except BaseException:
         source.close()
         raise
@@ -311,10 +495,6 @@ def _manifest_ties(path: Any) -> dict[str, str]:
     return manifest.tied if manifest is not None else {}
 
 
-#: A region to hash: (name index, checkpoint key, offset, size, elements, bytes, whole tensor).
-_Work = tuple[int, str, tuple[int, ...], tuple[int, ...], int, int, bool]
-
-
 @dataclass
 class _Sums:
     """Per name: the sum of its regions' fingerprints (int64 bits) and their elements."""
@@ -326,24 +506,58 @@ class _Sums:
 class _HashJob:
     """Every chunk of a checkpoint hashed at its global offset, in row blocks (a plan).
 
-    The plan is each tensor's saved chunks (empty ones skipped) cut into row blocks, the same on
-    every process of a launch (``offline_dist.Job``); `measure` hashes a share of it, reading
-    the next batch while this one is hashed. Two batches are in flight (NOTE: [prefetch]), so
-    each holds at most half the budget. Per region the Python is a tuple; each batch is one
-    operator call and one ``index_add`` (NOTE: [per-key costs] in ``comparison``).
+    The plan (``reading.plan.Plan``) is each tensor's saved chunks (empty ones skipped) cut into
+    row blocks, the same on every process of a launch (``offline_dist.Job``); `measure` hashes
+    a share of it, reading the next batch while this one is hashed. Two batches are in flight
+    (NOTE: [prefetch]), so each holds at most half the budget. Per block the plan holds three
+    integers; each batch is one operator call and one ``index_add`` (NOTE: [per-key costs] in
+    ``comparison``).
+
+    Through a conversion (`convert`), the model tensors are the conversion's targets: each
+    target's pieces are read from the checkpoint, cast as the conversion says, and hashed at
+    the target's global indices, so the sum is the target's Fingerprint v1, as the converted
+    file's would be. Optimizer state is hashed as it is saved.
     """
 
     def __init__(
-        self, source: Source, ignore: Sequence[str] | None, budget: int, world: int
+        self,
+        source: Source,
+        ignore: Sequence[str] | None,
+        budget: int,
+        world: int,
+        convert: Any = None,
     ) -> None:
+        from fsdpcheck.reading.plan import Plan, SourceKey
+
         self.source = source
         self.owns_source = False
         refuse_problems(source, source.description, "fingerprint it")
         keys = checkpoint_keys(source)
-        by_key: dict[str, str] = {}
         self.notes: list[str] = []
+        self.conv: Conversion | None = None
+        converted: set[str] = set()
+        sources: dict[str, SourceKey] = {}
+        if convert is not None:
+            self.conv = conv = _compile_offline(convert, keys)
+            self.notes += [
+                f"converted by {conv.description}: {len(conv.targets)} tensor(s) from "
+                f"{len(conv.sources)}",
+                *conv.notes,
+            ]
+            broken = conv.target_problems()
+            if broken:
+                name, why = next(iter(broken.items()))
+                raise FingerprintError(f"{name}: {why}; its fingerprint would be wrong")
+            for name, (n, _) in sorted(conv.source_unused().items()):
+                self.notes.append(f"{name}: {n} element(s) are in no tensor the conversion writes")
+            converted = {r.key for name, r in keys.model.items() if name in conv.sources}
+            for name, (shape, dtype) in conv.sources.items():
+                sources[name] = SourceKey(keys.model[name].key, shape, getattr(torch, dtype))
+        by_key: dict[str, str] = {}
         other = []
         for r in keys.tensors():
+            if r.key in converted:
+                continue
             if r.role == "other":
                 other.append(r.key)
             elif matching.is_ignored(ignore, r.name, r.key):
@@ -359,7 +573,23 @@ class _HashJob:
         entries = source.entries()
         self.names: list[str] = []
         index: dict[str, int] = {}
-        chunks: list[tuple[int, str, tuple[int, ...], tuple[int, ...], int]] = []
+        # Per pair of the plan (a checkpoint key, or a conversion's target): its own key, its
+        # global shape, and the name its fingerprint adds to.
+        self.keys: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.name_of: list[int] = []
+        chunks: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
+        pieces: list[tuple[int, Any, int]] = []
+        for t in self.conv.targets.values() if self.conv is not None else ():
+            if matching.is_ignored(ignore, t.name):
+                self.notes.append(f"{t.name}: excluded by the user")
+                continue
+            dtype = getattr(torch, t.dtype)
+            if dtype not in SUPPORTED_DTYPES:
+                raise FingerprintError(f"{t.name}: dtype {t.dtype} cannot be fingerprinted")
+            index[t.name] = len(self.names)
+            self.names.append(t.name)
+            pieces.append((self._pair(t.name, t.shape, index[t.name]), t, dtype.itemsize))
         for ckpt_key, name in by_key.items():
             entry = entries[ckpt_key]
             if entry.dtype not in SUPPORTED_DTYPES:
@@ -368,75 +598,72 @@ class _HashJob:
             if i is None:  # two keys of one name add up, as one tensor's chunks do
                 i = index[name] = len(self.names)
                 self.names.append(name)
+            pair = self._pair(ckpt_key, tuple(entry.shape), i)
             itemsize = entry.dtype.itemsize  # type: ignore[union-attr]
             for offset, size in source.chunks(ckpt_key):
                 if math.prod(size) == 0 and len(size) > 0:
                     continue
-                chunks.append((i, ckpt_key, tuple(offset), tuple(size), itemsize))
-        self.shapes = {k: tuple(entries[k].shape) for k in by_key}
+                chunks.append((pair, tuple(offset), tuple(size), itemsize))
         self.step = batch_bytes(budget)
-        self.piece = offline_dist.piece_bytes(
-            sum(math.prod(size) * item for _, _, _, size, item in chunks), world, self.step
-        )
-        self.work: list[_Work] = []
-        for i, key, offset, size, itemsize in chunks:
-            whole = size == self.shapes[key] and not any(offset)
-            for off, sz in row_blocks(offset, size, itemsize, self.piece):
-                n = math.prod(sz)
-                self.work.append((i, key, off, sz, n, n * itemsize, whole and sz == size))
+        total = sum(math.prod(size) * item for _, _, size, item in chunks)
+        total += sum(math.prod(t.shape) * item for _, t, item in pieces)
+        self.piece = offline_dist.piece_bytes(total, world, self.step)
+        self.plan = plan = Plan(sources)
+        for pair, t, _ in pieces:
+            plan.add_pieces(pair, t.pieces, t.shape, None, self.piece)
+        for pair, offset, size, itemsize in chunks:
+            plan.add_chunk(pair, offset, size, self.shapes[pair], itemsize, self.piece)
+
+    def _pair(self, key: str, shape: tuple[int, ...], name: int) -> int:
+        self.keys.append(key)
+        self.shapes.append(shape)
+        self.name_of.append(name)
+        return len(self.keys) - 1
 
     # -- offline_dist.Job --------------------------------------------------------------------
     def digest(self) -> int:
-        """The plan: the names and every region (key, offset, size), and the cut."""
+        """The plan: the conversion, the names and every block (key, offset, size), the cut."""
         from fsdpcheck.collectives import digest
 
-        return digest((self.piece, self.names, [w[:4] for w in self.work]))
+        return digest(
+            (
+                self.conv.digest() if self.conv is not None else "",
+                self.piece,
+                self.names,
+                self.keys,
+                self.plan.digest_items(),
+            )
+        )
 
-    def sizes(self) -> list[int]:
-        """Bytes of each region."""
-        return [w[5] for w in self.work]
+    def sizes(self) -> Sequence[int]:
+        """Bytes of each block."""
+        return self.plan.block_bytes
 
     def measure(self, items: range) -> _Sums:
-        """Hashes the regions `items` of the plan."""
+        """Hashes the blocks `items` of the plan (pieces at their converted global indices)."""
         n = len(self.names)
         sums = _Sums(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64))
-        work = self.work
+        plan, keys, shapes = self.plan, self.keys, self.shapes
         source = self.source
-        plan = (
-            (b, [(source, [Region(w[1], w[2], w[3]) for w in b])])
-            for b in (work[r.start : r.stop] for r in batch_ranges(self.sizes(), items, self.step))
+        name_of = torch.tensor(self.name_of, dtype=torch.int64)
+        reads = (
+            (b, [(source, plan.regions(b, keys, shapes, "a"))])
+            for b in plan.batches(items, self.step)
         )
-        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(plan):
-            shapes: list[int] = []
-            offsets: list[int] = []
-            if not all(w[6] for w in batch):
-                for w in batch:
-                    shapes.extend(self.shapes[w[1]])
-                    offsets.extend(w[2])
+        for batch, (tensors,) in Prefetcher(torch.device("cpu")).run(reads):
+            views = plan.views(batch, tensors, shapes, "a")
+            box_shapes, offsets = plan.boxes(batch, shapes)
             with torch.no_grad():
-                fps = ops.fingerprint_rows(tensors, shapes, offsets).cpu()
-            ids = torch.tensor([w[0] for w in batch], dtype=torch.int64)
+                fps = ops.fingerprint_rows(views, box_shapes, offsets).cpu()
+            a, b = batch.start, batch.stop
+            ids = name_of[torch.tensor(plan.block_pair[a:b], dtype=torch.int64)]
             sums.fp.index_add_(0, ids, fps)  # int64 adds wrap: the sum mod 2**64
-            sums.numel.index_add_(0, ids, torch.tensor([w[4] for w in batch], dtype=torch.int64))
+            sums.numel.index_add_(0, ids, torch.tensor(plan.block_numel[a:b], dtype=torch.int64))
         return sums
 
     def combine(self, comm: Any, sums: _Sums) -> _Sums:
         """Every process's sums added up (``collectives.combine``: one row per name)."""
-        from fsdpcheck.collectives import combine
-        from fsdpcheck.stats import KeyStats
-
-        stats = []
-        for fp, numel in zip(sums.fp.tolist(), sums.numel.tolist()):
-            s = KeyStats()
-            if numel:  # this process hashed part of it: its part counts (no replicas here)
-                s.holders, s.owner, s.box = 1, True, 0
-                s.fp, s.copy_numel = fp & MASK64, numel
-            stats.append(s)
-        combined, _ = combine(comm, stats)
-        return _Sums(
-            torch.tensor([_signed(c.fingerprint or 0) for c in combined], dtype=torch.int64),
-            torch.tensor([c.covered for c in combined], dtype=torch.int64),
-        )
+        return _combine_sums(comm, sums)
 
     def close(self) -> None:
         """Closes the checkpoint when this job opened it (a pass another process asked for)."""
@@ -446,6 +673,37 @@ class _HashJob:
     def fingerprints(self, sums: _Sums) -> dict[str, int]:
         """Name -> Fingerprint v1 (the sums as unsigned 64-bit ints)."""
         return {name: fp & MASK64 for name, fp in zip(self.names, sums.fp.tolist())}
+
+
+def _compile_offline(convert: Any, keys: Any) -> Conversion:
+    """A conversion of a checkpoint's model tensors."""
+    from fsdpcheck.convert import compile_conversion
+
+    sources = {
+        name: (r.entry.shape, r.entry.dtype)
+        for name, r in keys.model.items()
+        if r.entry.is_tensor and r.entry.dtype is not None and r.entry.shape is not None
+    }
+    return compile_conversion(convert, sources)
+
+
+def _combine_sums(comm: Any, sums: _Sums) -> _Sums:
+    """Every process's sums added up (``collectives.combine``: one row per name)."""
+    from fsdpcheck.collectives import combine
+    from fsdpcheck.stats import KeyStats
+
+    stats = []
+    for fp, numel in zip(sums.fp.tolist(), sums.numel.tolist()):
+        s = KeyStats()
+        if numel:  # this process hashed part of it: its part counts (no replicas here)
+            s.holders, s.owner, s.box = 1, True, 0
+            s.fp, s.copy_numel = fp & MASK64, numel
+        stats.append(s)
+    combined, _ = combine(comm, stats)
+    return _Sums(
+        torch.tensor([_signed(c.fingerprint or 0) for c in combined], dtype=torch.int64),
+        torch.tensor([c.covered for c in combined], dtype=torch.int64),
+    )
 
 
 def _signed(u: int) -> int:

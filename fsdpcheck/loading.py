@@ -55,6 +55,7 @@ def load(
     sentinel: bool = False,
     key_map: matching.KeyMap | None = None,
     group: Any = None,
+    convert: Any = None,
 ) -> Report:
     """Loads any supported checkpoint into a (sharded) model and optimizer, then checks it.
 
@@ -90,6 +91,8 @@ def load(
             before loading, and report elements the load never wrote.
         key_map: Live key -> checkpoint key or name, or prefix rules, as for ``verify``.
         group: The process group.
+        convert: How the live layout becomes the checkpoint's, for the check after the load
+            (``fsdpcheck.convert``, as for ``verify``; None: the model's declared one, if any).
 
     Returns:
         The Report of the check (its notes say what was loaded and how it was checked).
@@ -111,7 +114,7 @@ def load(
         source = _open(comm, path)
         try:
             return _load(comm, model, path, source, optimizer, verify, expect, sentinel,
-                         key_map, group)  # fmt: skip
+                         key_map, group, convert)  # fmt: skip
         finally:
             source.close()
 
@@ -143,6 +146,7 @@ def _load(
     sentinel: bool,
     key_map: matching.KeyMap | None,
     group: Any,
+    convert: Any = None,
 ) -> Report:
     plan = agree(comm, lambda: _preflight(path, source), f"checking {path} before loading")
     _same_checkpoint(comm, path, plan)
@@ -183,9 +187,13 @@ def _load(
         verify = "full"
     if verify == "fingerprint":
         assert manifest is not None
-        report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
+        report = check_against_manifest(
+            model, manifest, path, optimizer=optimizer, group=group, convert=convert
+        )
     elif verify == "full":
-        report = verify_full(model, source, optimizer=optimizer, key_map=key_map, group=group)
+        report = verify_full(
+            model, source, optimizer=optimizer, key_map=key_map, group=group, convert=convert
+        )
         report.reference = str(path)
     else:
         report = Report(reference=str(path), world_size=comm.world)
@@ -494,13 +502,15 @@ def check_against_manifest(
     *,
     optimizer: Any = None,
     group: Any = None,
+    convert: Any = None,
 ) -> Report:
     """The live state against a manifest: one fingerprint pass, a few all-reduces, no file read.
 
-    Collective. Optimizer entries are checked only when `optimizer` is given.
+    Collective. Optimizer entries are checked only when `optimizer` is given; through
+    `convert`, the live model's fingerprints are those of the converted layout.
     """
     comm = Comm(group)
-    result = fingerprint_report(model, optimizer=optimizer, group=group)
+    result = fingerprint_report(model, optimizer=optimizer, group=group, convert=convert)
     expected = {
         k: fp
         for k, fp in manifest.fingerprints().items()

@@ -233,21 +233,31 @@ class Words:
     a_only_kind: str  # kind of a finding for a name only side A has
     b_only_kind: str
     hint: str  # what to do about a name only one side has
+    at_a: str = "live"  # after a value of side A: "(7, 6) live", "(7, 6) in actual"
+    at_b: str = "in the checkpoint"
+    checked: str = "on the checked side"  # side A in a value finding's hints
+    reference: str = "in the reference"
+    convert_hint: str = "convert= (a conversion) or key_map= (renames)"
 
 
-_LIVE = Words(
+LIVE = _LIVE = Words(
     "live",
     "the checkpoint",
     "missing",
     "unexpected",
     "pass key_map if the checkpoint names it differently, or ignore= to exclude it",
 )
-_FILES = Words(
+FILES = _FILES = Words(
     "actual",
     "expected",
     "unexpected",
     "missing",
     "--key-map OLD=NEW (key_map=) if they name it differently, --ignore (ignore=) to leave it out",
+    at_a="in actual",
+    at_b="in expected",
+    checked="in actual",
+    reference="in expected",
+    convert_hint="--convert / convert= (a conversion) or --key-map / key_map= (renames)",
 )
 
 
@@ -349,6 +359,13 @@ def _pair(a: Side, b: Side, opt: _Options) -> _Result:
         )
         _one_sided_state(lone, lone is a, opt, out, used, kind, holder, other)
     _leftovers(a, b, opt, out, used)
+    paired = sum(1 for p in out.pairs if not p.is_state)
+    if a.model and b.model and 2 * paired < min(len(a.model), len(b.model)):
+        # Most names on neither side pair: a different naming, not a few missing tensors.
+        out.notes.append(
+            f"{paired} of {len(a.model)} names pair; the two sides use different naming: state "
+            f"how one becomes the other with {w.convert_hint}"
+        )
     out.rows.sort(key=row_order)
     return out
 

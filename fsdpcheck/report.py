@@ -88,6 +88,9 @@ class Finding:
         atol: Absolute tolerance used.
         rtol: Relative tolerance used.
         ranks: Ranks involved, where more than one is (errors, replicas).
+        abs_source: Through a conversion: the source tensor and index that the element at
+            `max_abs_index` is made of.
+        rel_source: The same for `max_rel_index`.
     """
 
     key: str
@@ -104,6 +107,8 @@ class Finding:
     atol: float = 0.0
     rtol: float = 0.0
     ranks: list[int] = field(default_factory=list)
+    abs_source: tuple[str, tuple[int, ...]] | None = None
+    rel_source: tuple[str, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -129,12 +134,14 @@ class Finding:
         if self.max_abs_index is not None:
             lines.append(
                 f"  Greatest absolute difference: {self.max_abs_diff} at index "
-                f"{self.max_abs_index}{_on(self.rank)} (up to {self.atol} allowed)"
+                f"{self.max_abs_index}{_from(self.abs_source)}{_on(self.rank)} "
+                f"(up to {self.atol} allowed)"
             )
         if self.max_rel_index is not None:
             lines.append(
                 f"  Greatest relative difference: {self.max_rel_diff} at index "
-                f"{self.max_rel_index}{_on(self.rel_rank)} (up to {self.rtol} allowed)"
+                f"{self.max_rel_index}{_from(self.rel_source)}{_on(self.rel_rank)} "
+                f"(up to {self.rtol} allowed)"
             )
         return lines
 
@@ -148,6 +155,8 @@ class Finding:
         rtol: float,
         atol: float,
         with_ranks: bool = True,
+        checked: str = "on the checked side",
+        reference: str = "in the reference",
     ) -> Finding:
         """A value finding from combined statistics (``collectives.Combined`` or ``KeyStats``).
 
@@ -158,14 +167,16 @@ class Finding:
             rtol: Relative tolerance used.
             atol: Absolute tolerance used.
             with_ranks: Whether the maxima carry the rank that holds them.
+            checked: How the hints name side A ("on the checked side", "in actual").
+            reference: How they name side B ("in the reference", "in expected").
         """
         from fsdpcheck.box import unravel
 
         hints = []
         if stats.zeros == stats.numel:
-            hints.append("every element on the checked side is zero (zeroed, or never loaded?)")
+            hints.append(f"every element {checked} is zero (zeroed, or never loaded?)")
         if stats.nan_a != stats.nan_e:
-            hints.append(f"NaNs: {stats.nan_a} on the checked side, {stats.nan_e} in the reference")
+            hints.append(f"NaNs: {stats.nan_a} {checked}, {stats.nan_e} {reference}")
         has_abs, has_rel = stats.max_abs_idx >= 0, stats.max_rel_idx >= 0
         if has_abs and stats.max_abs == 0.0:
             # Every mismatch is a NaN or an infinity against something else: there is no finite
@@ -367,6 +378,10 @@ class Report:
 
 def _on(rank: int | None) -> str:
     return "" if rank is None else f" on rank {rank}"
+
+
+def _from(source: tuple[str, tuple[int, ...]] | None) -> str:
+    return "" if source is None else f" <- {source[0]} {tuple(source[1])}"
 
 
 def _json_safe(x: Any) -> Any:

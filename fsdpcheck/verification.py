@@ -26,6 +26,7 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.box import Box
+from fsdpcheck.checks import coverage, pair_checks, problem_findings
 from fsdpcheck.collectives import (
     Comm,
     combine,
@@ -35,18 +36,35 @@ from fsdpcheck.collectives import (
     gather_findings,
     same_everywhere,
 )
+from fsdpcheck.convert import Conversion, Piece, Target
+from fsdpcheck.convert.declared import declared_conversion
+from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.errors import describe_error
-from fsdpcheck.kernels import SUPPORTED_DTYPES, compare_each
+from fsdpcheck.kernels import compare_each
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.keyset import KeySet, agree_keys
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState, live_state
 from fsdpcheck.opening import open_checked
-from fsdpcheck.readplan import Arena, row_blocks
-from fsdpcheck.report import Finding, Report, normalized
+from fsdpcheck.reading.live import (
+    buffer_names,
+    compile_for_live,
+    converted_state,
+    local_parts,
+    source_layouts,
+)
+from fsdpcheck.reading.plan import (
+    DeviceBatches,
+    along_chunks,
+    box_blocks,
+    cast_as,
+    kernel_box,
+    target_view,
+)
+from fsdpcheck.readplan import Arena
+from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.sources import Region, Source, checkpoint_notes, prefetch
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
-from fsdpcheck.sources.tiling import intersect, uncovered
 from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import CheckSettings, tolerance
 
@@ -62,6 +80,8 @@ class _Work:
     ref_dtype: torch.dtype
     tol: tuple[float, float]
     fingerprint: bool
+    piece: Piece | None = None  # through a conversion: the part of the target compared
+    target_shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -73,6 +93,9 @@ class _Prepared:
     layouts: list[Layout | None] = field(default_factory=list)  # None: not compared here
     blocked: set[int] = field(default_factory=set)  # held here, but a finding says why not
     findings: list[Finding] = field(default_factory=list)
+    conv: Conversion | None = None
+    # Through a conversion: pair -> this rank's layouts of the sources its target reads.
+    converted: dict[int, dict[str, Layout]] = field(default_factory=dict)
 
 
 def verify(
@@ -88,6 +111,7 @@ def verify(
     ignore: Sequence[str] | None = None,
     memory_budget: int = 1 << 30,
     group: Any = None,
+    convert: Any = None,
 ) -> Report:
     """Checks every rank's shards of a model (and optimizer) against a reference checkpoint.
 
@@ -120,6 +144,14 @@ def verify(
             keys are listed in ``Report.mapping`` as "ignored".
         memory_budget: Bytes of reference data held at once per rank.
         group: The process group (default: the default group; none needed for one process).
+        convert: How the live layout (what ``model.state_dict()`` returns) becomes the
+            reference's (``fsdpcheck.convert``: a function ``F(state_dict) -> state_dict``
+            such as a torchtitan ``StateDictAdapter(...).to_hf``, an adapter, a spec, a
+            Conversion). Every rank compiles it from the job's names and global shapes, once,
+            without running it on data, and compares the parts of the converted tensors its
+            shards hold; findings are in the reference's names and indices, with the live
+            key, index and rank of each maximum. None: the model's own declared conversion
+            (``fsdpcheck.convert.declared``), if any.
 
     Returns:
         The Report, identical on every rank.
@@ -130,6 +162,8 @@ def verify(
     live, source, ckpt, error = None, None, None, None
     with cyclic_gc_paused():
         try:
+            if convert is None:
+                convert = declared_conversion(model)
             live = live_state(model, optimizer)
         except Exception as exc:  # whatever happens here, every rank reaches the agreement below
             error = describe_error(exc)
@@ -141,7 +175,7 @@ def verify(
         except Exception as exc:
             error = error or describe_error(exc)
         try:
-            return _verify(comm, t0, live, source, ckpt, error, reference, settings)
+            return _verify(comm, t0, live, source, ckpt, error, reference, settings, convert)
         finally:
             if source is not None and source is not reference:  # a source given stays open
                 source.close()
@@ -156,6 +190,7 @@ def _verify(
     error: str | None,
     reference: Any,
     s: CheckSettings,
+    convert: Any = None,
 ) -> Report:
     """The protocol of the module docstring, once every rank has opened what it could."""
     described = source.description if source is not None else str(reference)
@@ -167,7 +202,7 @@ def _verify(
     # Pairing the job's names: the same on every rank. Then this rank's own values and checks.
     prepared: _Prepared | None = None
     try:
-        prepared = _prepare(ks, live, source, ckpt, s, comm.world)
+        prepared = _prepare(ks, live, source, ckpt, s, comm.world, convert)
     except Exception as exc:  # a local failure: every rank learns of it below
         error = describe_error(exc)
     word = _pairing_word(prepared)
@@ -210,7 +245,11 @@ def _verify(
         if c.mismatched > 0:
             dtype = getattr(torch, item.value.dtype) if item.value is not None else entry.dtype
             rtol_, atol_ = tolerance(dtype, entry.dtype, s.rtol, s.atol)
-            findings.append(Finding.value(item.key, c, entry.shape, rtol=rtol_, atol=atol_))
+            f = Finding.value(item.key, c, entry.shape, rtol=rtol_, atol=atol_)
+            if isinstance(item.value, Target) and prepared.conv is not None:
+                f.abs_source = _located(prepared.conv, item.key, c.max_abs_idx)
+                f.rel_source = _located(prepared.conv, item.key, c.max_rel_idx)
+            findings.append(f)
         if c.replicas_disagree:
             findings.append(Finding.replica(item.key, c.replica_groups))
     report.findings = _everywhere(normalized(findings), comm.world)
@@ -221,6 +260,14 @@ def _verify(
     report.bytes_read = totals.bytes_read
     report.seconds = totals.seconds
     report.notes = list(m.notes) + checkpoint_notes(source)
+    if prepared.conv is not None:
+        conv = prepared.conv
+        report.notes.insert(
+            0,
+            f"the live model converted by {conv.description}: {len(conv.targets)} tensor(s) "
+            f"from {len(conv.sources)}",
+        )
+        report.notes += conv.notes
     if ks.stages > 1:
         report.notes.append(
             f"the ranks hold {ks.stages} different sets of keys (pipeline stages): each key was "
@@ -265,7 +312,12 @@ def _identity(ckpt: matching.CheckpointKeys | None) -> str:
 def _pairing_word(prepared: _Prepared | None) -> int:
     if prepared is None:
         return -1 & ((1 << 63) - 1)
-    return digest([(i.key, i.ckpt_key) for i in prepared.match.items])
+    conv = prepared.conv.digest() if prepared.conv is not None else ""
+    return digest((conv, [(i.key, i.ckpt_key) for i in prepared.match.items]))
+
+
+def _located(conv: Conversion, target: str, index: int) -> tuple[str, tuple[int, ...]] | None:
+    return conv.locate(target, index) if index >= 0 else None
 
 
 # -------------------------------------------------------------------------------------------
@@ -276,21 +328,41 @@ def _prepare(
     ckpt: matching.CheckpointKeys,
     s: CheckSettings,
     world: int,
+    convert: Any = None,
 ) -> _Prepared:
     """The pairing of the job's names, this rank's values, and its per-key checks (local)."""
+    job, conv = ks.live, None
+    extra: list[Finding] = []
+    rows: list[MappingRow] = []
+    if convert is not None:
+        # The same on every rank: compiled from the job's names and global shapes.
+        other = set(ckpt.model) | {r.key for r in ckpt.rows}
+        conv = compile_for_live(convert, ks.live, other, buffer_names(live))
+        job = converted_state(ks.live, conv)
+        extra, rows = coverage(conv)
     m = matching.match_live(
-        ks.live, ckpt, read_objects=source.read_objects, key_map=s.key_map, ignore=s.ignore
+        job, ckpt, read_objects=source.read_objects, key_map=s.key_map, ignore=s.ignore
     )
     values = live.tensors()
     values.update(live.buffers)
-    prepared = _Prepared(source, ckpt, m, [values.get(item.key) for item in m.items])
+    held = [
+        item.value if isinstance(item.value, Target) else values.get(item.key) for item in m.items
+    ]
+    prepared = _Prepared(source, ckpt, m, held, conv=conv)
+    if conv is not None:
+        m.rows += rows
+        prepared.findings += extra
     prepared.findings += [Finding(key, kind, message) for key, kind, message in live.problems]
-    _check_keys(prepared, live.requires_grad, s.check_dtype, world)
+    _check_keys(prepared, live.requires_grad, s.check_dtype, world, values)
     return prepared
 
 
 def _check_keys(
-    p: _Prepared, live_requires_grad: Mapping[str, bool], check_dtype: bool, world: int
+    p: _Prepared,
+    live_requires_grad: Mapping[str, bool],
+    check_dtype: bool,
+    world: int,
+    values: Mapping[str, Any] | None = None,
 ) -> None:
     """Storage problems, layout, shape, dtype and requires_grad of each matched item.
 
@@ -299,17 +371,21 @@ def _check_keys(
     entries = p.source.entries()
     # Coverage before data: a key the storage cannot deliver whole (a gap, a bad entry) is a
     # finding of its own kind, and never read.
-    problems: dict[str, tuple[str, str]] = {}
     live_name = {item.ckpt_key: item.key for item in p.match.items}
-    for key, kind, message in p.source.problems():
-        problems.setdefault(key, (kind, message))
-        p.findings.append(Finding(live_name.get(key, key), kind, message))
+    found, problems = problem_findings(p.source.problems(), lambda k: live_name.get(k, k))
+    p.findings += found
+    gaps = set(p.conv.target_problems()) if p.conv is not None else set()
+    cache: dict[str, Layout] = {}
     for i, item in enumerate(p.match.items):
         entry = entries[item.ckpt_key]
         p.layouts.append(None)
         value = p.values[i]
         if value is None:
             continue  # another rank's key (a pipeline stage this rank is not in)
+        if isinstance(value, Target):
+            bad = item.ckpt_key in problems or value.name in gaps
+            _check_target(p, i, value, entry, check_dtype, world, values or {}, cache, bad)
+            continue
         p.blocked.add(i)  # until the checks below pass
         lay = local_layout(value, world)
         if item.ckpt_key in problems:
@@ -318,32 +394,14 @@ def _check_keys(
             p.findings.append(Finding(item.key, "layout", lay.error))
             continue
         held = p.keys.placeholders.get(item.ckpt_key)
-        if held is not None and math.prod(lay.global_shape) > 0:
-            p.findings.append(Finding(item.key, "skipped", held))
+        got, skip = pair_checks(
+            item.key, (lay.global_shape, lay.dtype), (tuple(entry.shape), entry.dtype),
+            matching.LIVE, check_dtype=check_dtype,
+            placeholder=held if held is not None and math.prod(lay.global_shape) > 0 else None,
+        )  # fmt: skip
+        p.findings += got
+        if skip is not None:
             continue
-        if lay.global_shape != entry.shape:
-            p.findings.append(
-                Finding(
-                    item.key,
-                    "shape",
-                    f"global shape {lay.global_shape} live but {entry.shape} in the checkpoint",
-                )
-            )
-            continue
-        if entry.dtype not in SUPPORTED_DTYPES or lay.dtype not in SUPPORTED_DTYPES:
-            p.findings.append(
-                Finding(
-                    item.key,
-                    "skipped",
-                    f"dtype {lay.dtype} (live) / {entry.dtype} (checkpoint) cannot be compared "
-                    "element-wise",
-                )
-            )
-            continue
-        if lay.dtype != entry.dtype and check_dtype:
-            p.findings.append(
-                Finding(item.key, "dtype", f"{lay.dtype} live but {entry.dtype} in the checkpoint")
-            )
         p.layouts[-1] = lay
         p.blocked.discard(i)
         if item.is_param_state:
@@ -360,6 +418,38 @@ def _check_keys(
             )
 
 
+def _check_target(
+    p: _Prepared,
+    i: int,
+    t: Target,
+    entry: Any,
+    check_dtype: bool,
+    world: int,
+    values: Mapping[str, Any],
+    cache: dict[str, Layout],
+    bad: bool,
+) -> None:
+    """The checks of a converted target, and this rank's layouts of the sources it reads."""
+    layouts, error = source_layouts(t, values, world, cache)
+    if not layouts and error is None:
+        return  # no source held here (another pipeline stage's)
+    p.blocked.add(i)
+    if error is not None:
+        p.findings.append(Finding(t.name, "layout", error))
+        return
+    if bad:  # a gap in its pieces, or a storage problem of its entry: a finding says so
+        return
+    held = p.keys.placeholders.get(entry.key)
+    got, skip = pair_checks(
+        t.name, (t.shape, getattr(torch, t.dtype)), (tuple(entry.shape), entry.dtype),
+        matching.LIVE, check_dtype=check_dtype, placeholder=held,
+    )  # fmt: skip
+    p.findings += got
+    if skip is None:
+        p.converted[i] = layouts
+        p.blocked.discard(i)
+
+
 # -------------------------------------------------------------------------------------------
 def _compare_values(
     p: _Prepared, stats: list[KeyStats], findings: list[Finding], s: CheckSettings
@@ -373,11 +463,12 @@ def _compare_values(
     """
     step = batch_bytes(s.budget)
     # Batches are capped in pieces too (NOTE: [regions per batch] in prefetch).
-    cap = prefetch.MAX_REGIONS
+    todo: DeviceBatches[_Work] = DeviceBatches(step, prefetch.MAX_REGIONS)
     entries = p.source.entries()
-    batches: dict[torch.device, list[list[_Work]]] = {}
-    held: dict[torch.device, int] = {}
     for i, (item, lay) in enumerate(zip(p.match.items, p.layouts)):
+        if i in p.converted:
+            _converted_works(p, i, stats[i], s, step, todo)
+            continue
         if lay is None:
             if i in p.blocked:
                 stats[i].errors += 1
@@ -392,11 +483,10 @@ def _compare_values(
             assert piece.box.offset is not None
             p_off = tuple(piece.box.offset)
             dev = piece.tensor.device
-            mine = batches.setdefault(dev, [])
             p_size = tuple(piece.tensor.shape)
             saved = p.source.chunks_overlapping(item.ckpt_key, p_off, p_size)
             for part_off, part_size in _along_chunks(p_off, p_size, saved):
-                for off, size in row_blocks(part_off, part_size, elsize, step):
+                for off, size in box_blocks(part_off, part_size, elsize, step):
                     actual, box = piece.tensor, piece.box
                     if size != p_size:  # a part of the piece: its view, and its own box
                         for d, (o, n) in enumerate(zip(off, size)):
@@ -412,26 +502,25 @@ def _compare_values(
                         tol,
                         lay.replicated,
                     )
-                    nbytes = math.prod(size) * elsize
-                    if not mine or held[dev] + nbytes > step or len(mine[-1]) >= cap:
-                        mine.append([])
-                        held[dev] = 0
-                    mine[-1].append(w)
-                    held[dev] += nbytes
+                    todo.add(dev, w, math.prod(size) * elsize)
     done = 0
 
     def failed(works: list[_Work], exc: BaseException) -> None:
         _read_failed(works, exc, stats, findings, p.match)
 
-    for device, todo in batches.items():
+    for device, batches in todo.batches.items():
         # The read-ahead stages through host memory (pinned for a GPU): for a reference already
         # in memory, or shards on another kind of device, each batch is read straight there.
         ahead = not p.source.in_memory and device.type in ("cpu", "cuda")
         run = _prefetched if ahead else _direct
-        for works, refs in run(p.source, device, todo, failed):
+        for works, refs in run(p.source, device, batches, failed):
             done += sum(r.numel() * r.element_size() for r in refs)
+            refs = [
+                r if w.piece is None else target_view(r, w.piece, w.target_shape)
+                for w, r in zip(works, refs)
+            ]
             diffs = compare_each(
-                [w.actual for w in works],
+                [w.actual if w.piece is None else cast_as(w.actual, w.piece) for w in works],
                 refs,
                 boxes=[w.box for w in works],
                 settings=[(*w.tol, w.fingerprint) for w in works],
@@ -441,6 +530,37 @@ def _compare_values(
                 stats[w.key_index].add(diff, w.box)
             del refs
     return done
+
+
+def _converted_works(
+    p: _Prepared,
+    i: int,
+    stats: KeyStats,
+    s: CheckSettings,
+    step: int,
+    todo: DeviceBatches[_Work],
+) -> None:
+    """The parts of a converted target this rank's shards hold, added to the batches."""
+    assert p.conv is not None
+    item = p.match.items[i]
+    t = item.value
+    entry = p.source.entries()[item.ckpt_key]
+    assert isinstance(t, Target) and entry.dtype is not None
+    layouts = p.converted[i]
+    first = next(iter(layouts.values()))
+    stats.owner, stats.mesh_ranks = first.owner, first.mesh_ranks
+    tol = tolerance(getattr(torch, t.dtype), entry.dtype, s.rtol, s.atol)
+    elsize = entry.dtype.itemsize
+    shapes = {src: p.conv.sources[src][0] for src in layouts}
+    most = max(1, step // max(1, elsize))
+    stats.holders = 1
+    for view, q in local_parts(t, layouts, shapes, most, for_reading=True):
+        off, size, _ = target_box(q, t.shape)
+        w = _Work(
+            i, view, kernel_box(q), Region(item.ckpt_key, off, size), entry.dtype, tol, False,
+            q, t.shape,
+        )  # fmt: skip
+        todo.add(view.device, w, math.prod(size) * elsize)
 
 
 #: Batches of pieces with the reference regions read for them.
@@ -505,34 +625,9 @@ def _read_failed(
         findings.append(Finding(m.items[key_index].key, "error", msg))
 
 
-def _along_chunks(
-    offset: tuple[int, ...],
-    size: tuple[int, ...],
-    saved: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """A local piece cut along the reference's saved chunks, when they tile it exactly.
-
-    Each part then lies inside one saved chunk, which a reader can hand over where it lies (a
-    mapped DCP chunk) instead of assembling it from several. When the chunks do not tile the
-    piece (a gap or an overlap in a damaged checkpoint), the piece is returned whole, so that
-    reading it raises the coverage error the report names.
-
-    `saved` is the chunks meeting the piece (``Source.chunks_overlapping``: found by bisection,
-    so a piece meets the few chunks it overlaps, not every chunk of a key saved by W ranks);
-    any others would cut nothing.
-    """
-    piece = (offset, size)
-    if len(saved) <= 1:  # the chunk holds the piece, or reading it names what is missing
-        return [piece]
-    parts = [c for c in (intersect(piece, (tuple(o), tuple(s))) for o, s in saved) if c]
-    # Volumes adding up to the piece's and no part of it uncovered: the parts are disjoint.
-    if (
-        len(parts) <= 1
-        or sum(math.prod(s) for _, s in parts) != math.prod(size)
-        or uncovered(piece, parts)
-    ):
-        return [piece]
-    return parts
+#: How a rank's shard is cut along the reference's saved chunks (``reading.plan``); a module
+#: name of its own, so a test can count the cuts.
+_along_chunks = along_chunks
 
 
 def _check_param_groups(source: Source, groups: list[matching.GroupPair]) -> list[Finding]:
