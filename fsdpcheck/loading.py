@@ -9,7 +9,7 @@ against the manifest in one pass.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,6 +17,9 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, digest, distinct
+from fsdpcheck.convert import Conversion, Piece, Target
+from fsdpcheck.convert.declared import stated_or_declared
+from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.errors import CheckpointError, CheckpointKindError, describe_error, root_cause
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
@@ -24,6 +27,14 @@ from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer, model_parts
 from fsdpcheck.manifest import Manifest, read_manifest
 from fsdpcheck.opening import open_checked
+from fsdpcheck.reading.live import (
+    buffer_names,
+    compile_for_live,
+    converted_state,
+    local_parts,
+    source_layouts,
+)
+from fsdpcheck.reading.plan import target_view
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
@@ -91,8 +102,12 @@ def load(
             before loading, and report elements the load never wrote.
         key_map: Live key -> checkpoint key or name, or prefix rules, as for ``verify``.
         group: The process group.
-        convert: How the live layout becomes the checkpoint's, for the check after the load
-            (``fsdpcheck.convert``, as for ``verify``; None: the model's declared one, if any).
+        convert: How the live layout becomes the checkpoint's (``fsdpcheck.convert``, as for
+            ``verify``; None: the model's declared one, if any). The model tensors are then
+            loaded through it, with nothing gathered: each rank reads the reference regions
+            its own shards' pieces name and writes them into its shards (the optimizer state
+            keeps the parameters' names and is loaded as usual); the check after the load
+            goes through it too.
 
     Returns:
         The Report of the check (its notes say what was loaded and how it was checked).
@@ -166,9 +181,14 @@ def _load(
     marked = agree(comm, lambda: fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
     work = agree(
         comm,
-        lambda: _pair(model, optimizer, info, source, key_map),
+        lambda: _pair(model, optimizer, info, source, key_map, convert),
         f"pairing {path} with the model",
     )
+    if work.conv is not None:
+        # Model tensors through the conversion: each rank reads the regions its own pieces
+        # name, every rank agrees the reads succeeded, then each writes into its shards.
+        writes = agree(comm, lambda: _read_converted(work), f"reading {path}")
+        _write_converted(writes)
     if info.kind == "sharded":
         _load_dcp(work, group, comm)
     else:
@@ -320,10 +340,23 @@ class _Work:
     raw: dict[str, str]  # canonical model name -> the model state dict's own key
     raw_param: dict[str, str]  # canonical parameter -> the optimizer state dict's own key
     hparams: dict[str, Any]  # the paired param groups' saved hyperparameters, by key
+    conv: Conversion | None = None  # the model tensors are loaded through it (when given)
+    values: dict[str, Any] = field(default_factory=dict)  # live tensors of its sources
 
 
-def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_map: Any) -> _Work:
-    """The live state (optimizer state created if it has none) paired with the checkpoint."""
+def _pair(
+    model: Any,
+    optimizer: Any,
+    info: CheckpointInfo,
+    source: Source,
+    key_map: Any,
+    convert: Any = None,
+) -> _Work:
+    """The live state (optimizer state created if it has none) paired with the checkpoint.
+
+    Through a conversion, the model's names are the conversion's targets (compiled from this
+    rank's names and global shapes), and the model tensors are not handed to torch's loaders.
+    """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -333,7 +366,14 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     if parts is None:
         raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
     keys = checkpoint_keys(source)
-    msds = [get_model_state_dict(p) for p in parts]
+    conv = None
+    convert = stated_or_declared(model, convert)
+    if convert is not None:
+        names = live_state(parts)
+        other = set(keys.model) | {r.key for r in keys.rows}
+        conv = compile_for_live(convert, names.names_only(), other, buffer_names(names))
+    # Through a conversion the live layout is read as it is held (``live_state``).
+    msds = [get_model_state_dict(p) for p in parts] if conv is None else None
     opts: list[Any] = []
     osds: list[Any] = []
     osd = None
@@ -356,9 +396,10 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
             "param_groups": [g for o in osds for g in o["param_groups"]],
         }
     live = live_state(parts, osd, model_state=msds)
-    m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
+    job = live if conv is None else converted_state(live, conv)
+    m = matching.match_live(job, keys, read_objects=source.read_objects, key_map=key_map)
     raw: dict[str, str] = {}
-    for part, msd in zip(parts, msds):
+    for part, msd in zip(parts, msds or []):
         canon = model_canonicalizer(part)
         raw.update({canon(k): k for k in msd})
     canon = model_canonicalizer(parts[0]) if len(parts) == 1 else (lambda n: n)
@@ -366,7 +407,9 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
     wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
     hparams = source.read_objects(wanted) if wanted and osd is not None else {}
-    return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
+    values = {**live.model, **live.buffers} if conv is not None else {}
+    return _Work(info, parts, opts, source, m, msds or [], osds, osd, raw, raw_param, hparams,
+                 conv, values)  # fmt: skip
 
 
 def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
@@ -392,8 +435,8 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
     states: list[dict[str, Any]] = [{} for _ in parts]
     tied = {row.a for row in w.match.rows if row.status == "tied"}
     for item in w.match.items:
-        if item.key in tied:
-            continue  # the same tensor as the parameter it is tied to
+        if item.key in tied or isinstance(item.value, Target):
+            continue  # the same tensor as the parameter it is tied to; loaded converted
         _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
     for i, (where, state) in enumerate(zip(w.info.parts, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
@@ -456,6 +499,8 @@ def _read_full(w: _Work) -> tuple[dict, dict | None]:
     full: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for item in w.match.items:
+        if isinstance(item.value, Target):
+            continue  # loaded through the conversion
         e = entries[item.ckpt_key]
         (value,) = w.source.read([_whole(e)], cpu)
         if item.is_param_state:
@@ -479,7 +524,7 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
     )
 
     options = StateDictOptions(full_state_dict=True, strict=False)
-    for part, msd in zip(w.parts, w.msds):
+    for part, msd in zip(w.parts, w.msds):  # none through a conversion
         mine = {k: v for k, v in full.items() if k in msd}
         set_model_state_dict(part, cast(Any, mine), options=options)
     if osd is not None:
@@ -489,6 +534,67 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
                 "param_groups": own["param_groups"],
             }
             set_optimizer_state_dict(part, opt, mine, options=options)
+
+
+def _read_converted(w: _Work) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(view of a live shard, the checkpoint's values for it) for every converted piece here.
+
+    Local I/O only. Each part of a target this rank's shards hold is a strided view of a
+    shard (``reading.live.local_parts``); the checkpoint region its piece names is read and
+    viewed in the part's order (``plan.target_view``). Shapes are checked before anything is
+    read, and nothing is written here.
+    """
+    assert w.conv is not None
+    entries = w.source.entries()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    shapes = {k: v[0] for k, v in w.conv.sources.items()}
+    cache: dict[str, Any] = {}
+    parts: list[tuple[torch.Tensor, Piece, Target]] = []
+    regions: list[Region] = []
+    for item in w.match.items:
+        t = item.value
+        if not isinstance(t, Target):
+            continue
+        entry = entries[item.ckpt_key]
+        if tuple(entry.shape) != t.shape:
+            raise CheckpointError(
+                f"{t.name}: the conversion makes it {t.shape} but the checkpoint's "
+                f"{item.ckpt_key} is {tuple(entry.shape)} (nothing was loaded)"
+            )
+        layouts, error = source_layouts(t, w.values, world, cache)
+        if error is not None:
+            raise CheckpointError(f"{t.name}: {error} (nothing was loaded)")
+        for view, q in local_parts(t, layouts, shapes, 1 << 62, for_reading=True):
+            off, size, _ = target_box(q, t.shape)
+            parts.append((view, q, t))
+            regions.append(Region(item.ckpt_key, off, size))
+    refs = w.source.read(regions, torch.device("cpu")) if regions else []
+    return [
+        (_writable(view, q), _writable_ref(target_view(ref, q, t.shape), q))
+        for (view, q, t), ref in zip(parts, refs)
+    ]
+
+
+def _writable(view: torch.Tensor, p: Piece) -> torch.Tensor:
+    """A piece's view of a shard with each broadcast dim (stride 0) taken once."""
+    for d, (k, s) in enumerate(zip(p.size, p.strides)):
+        if k > 1 and s == 0:
+            view = view.narrow(d, 0, 1)
+    return view
+
+
+def _writable_ref(ref: torch.Tensor, p: Piece) -> torch.Tensor:
+    for d, (k, s) in enumerate(zip(p.size, p.strides)):
+        if k > 1 and s == 0:
+            ref = ref.narrow(d, 0, 1)
+    return ref
+
+
+def _write_converted(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each checkpoint region into the view of the shard it belongs to (in place)."""
+    with torch.no_grad():
+        for view, ref in writes:
+            view.copy_(ref)
 
 
 def _whole(entry: Any) -> Region:

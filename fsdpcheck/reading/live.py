@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.convert import Conversion, Target, compile_conversion
+from fsdpcheck.convert import Conversion, Target, compile_conversion, resolve_declared
 from fsdpcheck.convert.pieces import Piece, cut, split_for_reading, within
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState
@@ -29,17 +29,21 @@ def compile_for_live(
     job: LiveState,
     other_names: set[str] | None = None,
     buffers: set[str] | frozenset[str] = frozenset(),
-) -> Conversion:
+) -> Conversion | None:
     """The conversion of the job's model names (the same on every rank that agreed on them).
 
     Tied duplicates and (persistent) `buffers` that the conversion leaves out are listed as
-    left out on purpose.
+    left out on purpose. A model's declared layouts (``convert.declared``) resolve to the one
+    whose names `other_names` holds; None when that is the live layout (nothing to convert).
     """
     sources = {
         name: (meta.shape, getattr(torch, meta.dtype))
         for name, meta in job.model.items()
         if name not in job.buffers
     }
+    convert = resolve_declared(convert, sources, other_names)
+    if convert is None:
+        return None
     purpose = {
         name: "a buffer the model recomputes (such as a rotary cache)"
         for name in buffers
