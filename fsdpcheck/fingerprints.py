@@ -253,6 +253,7 @@ def _converted_fingerprints(
         compile_for_live,
         local_parts,
         source_layouts,
+        tied_targets,
     )
     from fsdpcheck.reading.plan import cast_as, kernel_box
     from fsdpcheck.stats import KeyStats
@@ -270,9 +271,13 @@ def _converted_fingerprints(
         local.append(Finding(name, "gap", why))
     values = live.tensors()
     state = {k: v for k, v in ks.live.tensors().items() if k.startswith("optim.state.")}
-    keys = sorted(set(conv.targets) | set(state))
+    # A tied duplicate is listed once, under its first name (as without a conversion).
+    tied = tied_targets(conv, ks.live.tied)
+    keys = sorted((set(conv.targets) - set(tied)) | set(state))
     result.metas = {k: state[k] for k in state}
-    result.metas.update({k: Meta(t.shape, t.dtype) for k, t in conv.targets.items()})
+    result.metas.update(
+        {k: Meta(t.shape, t.dtype) for k, t in conv.targets.items() if k not in tied}
+    )
     stats = [KeyStats() for _ in keys]
     shapes = {k: v[0] for k, v in conv.sources.items()}
     cache: dict[str, Any] = {}

@@ -74,8 +74,20 @@ class Declared:
         """Each layout as (words, what ``convert=`` accepts; None: no conversion at all)."""
         out: list[tuple[str, Any]] = [(f"{self.description}'s state dict", self.hooks)]
         for words, fn in self.saved:
-            out.append((words, fn if self.hooks is None else Chain(self.hooks, fn)))
+            named = _Named(fn, words)
+            out.append((words, named if self.hooks is None else Chain(self.hooks, named)))
         return out
+
+
+class _Named:
+    """A conversion function with its description (``describe_conversion`` reads it)."""
+
+    def __init__(self, fn: Callable[[dict[str, Any]], dict[str, Any]], description: str):
+        self.fn = fn
+        self.description = description
+
+    def __call__(self, sd: dict[str, Any]) -> dict[str, Any]:
+        return self.fn(sd)
 
 
 # -------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from fsdpcheck.convert import Conversion, Target, compile_conversion, resolve_de
 from fsdpcheck.convert.pieces import Piece, cut, split_for_reading, within
 from fsdpcheck.layout import Layout, local_layout
 from fsdpcheck.live import LiveState
-from fsdpcheck.reading.plan import source_view
+from fsdpcheck.reading.plan import source_view, whole_piece
 
 Shape = tuple[int, ...]
 
@@ -59,9 +59,32 @@ def converted_state(job: LiveState, conv: Conversion) -> LiveState:
     The optimizer's state keeps its names (the parameters' as live); non-persistent buffers are
     not part of what the conversion is given.
     """
+    tied = tied_targets(conv, job.tied)
     return dataclasses.replace(
-        job, model=dict(conv.targets), tied={}, buffers={}, requires_grad={}, adapters=()
+        job, model=dict(conv.targets), tied=tied, buffers={}, requires_grad={}, adapters=()
     )
+
+
+def tied_targets(conv: Conversion, tied: Mapping[str, str]) -> dict[str, str]:
+    """Target -> the target it is a tied duplicate of.
+
+    A target is one when it is a whole, unchanged copy of a tied parameter whose first name
+    the conversion also copies whole (a spec that keeps every other key keeps
+    ``lm_head.weight`` beside ``transformer.wte.weight``).
+    """
+    whole: dict[str, str] = {}
+    for t in conv.targets.values():
+        if len(t.pieces) != 1:
+            continue
+        p = t.pieces[0]
+        shape = conv.sources[p.source][0]
+        if not p.cast and t.shape == shape and p == whole_piece(p.source, shape):
+            whole.setdefault(p.source, t.name)
+    out = {}
+    for dup, first in tied.items():
+        if dup in whole and first in whole and whole[dup] != whole[first]:
+            out[whole[dup]] = whole[first]
+    return out
 
 
 def source_layouts(
@@ -129,4 +152,5 @@ __all__ = [
     "converted_state",
     "local_parts",
     "source_layouts",
+    "tied_targets",
 ]
