@@ -43,6 +43,7 @@ class LibCase:
         faults: Fault name -> (the faulty checkpoint, the exact keys it must name).
         plant: (key, index) of the one element changed in ``faults["one_element"]``.
         source: (live key, index) that element is converted from.
+        original: The checkpoint the library converted from, where there is one.
     """
 
     name: str
@@ -52,6 +53,7 @@ class LibCase:
     faults: dict[str, tuple[Path, list[str]]] = field(default_factory=dict)
     plant: tuple[str, tuple[int, ...]] = ("", ())
     source: tuple[str, tuple[int, ...]] = ("", ())
+    original: Path | None = None
 
 
 def hf_llama(seed: int = 0) -> Any:
@@ -231,7 +233,10 @@ def torchtune_meta(root: Path, model: Any) -> LibCase:
     src = root / "tune_meta_in"
     src.mkdir()
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    torch.save(convert_weights.tune_to_meta(sd), src / "consolidated.00.pth")
+    meta = convert_weights.tune_to_meta(sd)
+    # Meta's checkpoints hold the RoPE frequencies too; torchtune's meta_to_tune skips them.
+    meta["rope.freqs"] = 1.0 / (500000.0 ** (torch.arange(0, HD, 2).float() / HD))
+    torch.save(meta, src / "consolidated.00.pth")
     ck = FullModelMetaCheckpointer(
         checkpoint_dir=str(src),
         checkpoint_files=["consolidated.00.pth"],
@@ -242,6 +247,7 @@ def torchtune_meta(root: Path, model: Any) -> LibCase:
     ck.save_checkpoint({"model": model.state_dict()}, epoch=0)
     (file,) = (root / "tune_meta_out" / "epoch_0").glob("model-*.bin")
     case = LibCase("torchtune-meta", model, convert_weights.tune_to_meta, file)
+    case.original = src / "consolidated.00.pth"
     plant_one(case, "layers.0.attention.wk.weight", (3, 7), root)
     case.source = ("layers.0.attn.k_proj.weight", (3, 7))
     swapped(case, "gate_up_swapped", [(f"layers.{i}.feed_forward.w1.weight",

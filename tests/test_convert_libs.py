@@ -212,6 +212,22 @@ def test_meta_and_hf_files_through_torchtunes_functions(built):
 
     r = fsdpcheck.compare_checkpoints(meta.clean, hf.clean, convert=meta_to_hf)
     assert r.ok, str(r)
+    # Meta's own file holds rope.freqs, which meta_to_tune leaves out: on purpose, not a loss.
+    assert meta.original is not None
+    r = fsdpcheck.compare_checkpoints(meta.original, hf.clean, convert=meta_to_hf)
+    assert r.ok, str(r)
+    (row,) = [m for m in r.mapping if m.a == "rope.freqs"]
+    assert row.status == "ignored" and "rotary cache" in row.reason
+    # A weight a converter leaves out is not: it is named as unexpected.
+    r = fsdpcheck.compare_checkpoints(
+        meta.original,
+        hf.clean,
+        convert=lambda sd: meta_to_hf({k: v for k, v in sd.items() if k != "output.weight"}),
+    )
+    assert sorted((f.key, f.kind) for f in r.findings) == [
+        ("lm_head.weight", "missing"),
+        ("output.weight", "unexpected"),
+    ], str(r)
 
 
 def test_no_names_pair_says_so_once(built):
@@ -219,7 +235,8 @@ def test_no_names_pair_says_so_once(built):
     lit = case_of(built, "litgpt-hf-to-lit")
     hf = case_of(built, "torchtune-hf")
     meta = case_of(built, "torchtune-meta")
-    for a, b in ((lit.clean, hf.clean), (meta.clean, hf.clean)):
+    assert meta.original is not None
+    for a, b in ((lit.clean, hf.clean), (meta.original, hf.clean)):
         r = fsdpcheck.compare_checkpoints(a, b)
         notes = [n for n in r.notes if "the two sides use different naming" in n]
         assert len(notes) == 1, r.notes

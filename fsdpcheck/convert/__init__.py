@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,12 @@ from fsdpcheck.convert.spec import permute_heads, spec_function
 from fsdpcheck.convert.trace import ConversionError, trace
 
 Shape = tuple[int, ...]
+
+# NOTE: [rotary caches] Checkpoints of several formats hold the RoPE frequencies their model
+# recomputes (Meta's ``rope.freqs``, HF's ``rotary_emb.inv_freq``, torchtitan's ``freqs_cis``
+# and ``rope.cache``), and converters leave them out on purpose (torchtune's ``meta_to_tune``,
+# torchtitan's adapters). Left out whole, such a tensor is listed as dropped, not unexpected.
+_ROTARY = re.compile(r"(^|\.)(rope\.freqs|freqs_cis|inv_freq|rope\.cache)$")
 
 __all__ = [
     "Chain",
@@ -103,6 +110,9 @@ def compile_conversion(
     for name, why in (purpose or {}).items():
         if name in conv.sources:
             conv.dropped.setdefault(name, why)
+    for name in conv.sources:
+        if _ROTARY.search(name):
+            conv.dropped.setdefault(name, "a rotary cache, recomputed from the config on load")
     used = {p.source for t in conv.targets.values() for p in t.pieces}
     conv.dropped = {k: v for k, v in conv.dropped.items() if k not in used}
     return conv
