@@ -187,7 +187,7 @@ def _load(
     if work.conv is not None:
         # Model tensors through the conversion: each rank reads the regions its own pieces
         # name, every rank agrees the reads succeeded, then each writes into its shards.
-        writes = agree(comm, lambda: _read_converted(work), f"reading {path}")
+        writes = agree(comm, lambda: _read_converted(work, comm.world), f"reading {path}")
         _write_converted(writes)
     if info.kind == "sharded":
         _load_dcp(work, group, comm)
@@ -536,7 +536,7 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
             set_optimizer_state_dict(part, opt, mine, options=options)
 
 
-def _read_converted(w: _Work) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _read_converted(w: _Work, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(view of a live shard, the checkpoint's values for it) for every converted piece here.
 
     Local I/O only. Each part of a target this rank's shards hold is a strided view of a
@@ -546,7 +546,6 @@ def _read_converted(w: _Work) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """
     assert w.conv is not None
     entries = w.source.entries()
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     shapes = {k: v[0] for k, v in w.conv.sources.items()}
     cache: dict[str, Any] = {}
     parts: list[tuple[torch.Tensor, Piece, Target]] = []

@@ -240,12 +240,15 @@ def summary(r: fsdpcheck.Report) -> dict[str, Any]:
             [f.key, f.kind, list(f.max_abs_index) if f.max_abs_index else None, f.rank]
             for f in r.findings
         ],
-        "sources": [[f.abs_source[0], list(f.abs_source[1])] if f.abs_source else None
-                    for f in r.findings],  # fmt: skip
+        "sources": [_source(f) for f in r.findings],
         "keys": [r.keys_a, r.keys_b, r.keys_checked],
         "notes": r.notes,
         "text": re.sub(r"read in [0-9.]+ s", "read", str(r)),
     }
+
+
+def _source(f: Any) -> list[Any] | None:
+    return [f.abs_source[0], list(f.abs_source[1])] if f.abs_source else None
 
 
 def model_only(fp: dict[str, int]) -> dict[str, int]:
@@ -265,6 +268,7 @@ def titan_verified_nothing_stated(w: World) -> Any:
         out["hf"] = summary(fsdpcheck.verify(m, w.ckpts["hf"]))
         adapter = Llama3StateDictAdapter(m.config, None)
         out["hf_adapter"] = summary(fsdpcheck.verify(m, w.ckpts["hf"], convert=adapter))
+
         # The bf16 export: its cast stated (compared exactly), and not stated (dtype findings).
         def to_hf_bf16(sd: dict) -> dict:
             return {k: v.to(torch.bfloat16) for k, v in adapter.to_hf(sd).items()}

@@ -256,3 +256,24 @@ def test_a_forgotten_square_transpose_fails_by_value(built):
         assert f.key in keys and f.kind == "value"
         n = math.prod(case.live.get_parameter(f.key).shape)
         assert f.mismatched > n // 2  # nearly every element off, not one
+
+
+def test_cli_converts_by_a_library_function_named_module_attr(built, capsys):
+    """``--convert torchtune.models.convert_weights:tune_to_meta`` on the command line."""
+    import json
+
+    from fsdpcheck.cli import main
+
+    meta = case_of(built, "torchtune-meta")
+    assert meta.original is not None
+    # Meta's file in torchtune's names (meta_to_tune takes no arguments: named as it is).
+    how = "torchtune.models.convert_weights:meta_to_tune"
+    capsys.readouterr()
+    assert main(["fingerprint", str(meta.original), "--convert", how, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    from torchtune.models import convert_weights
+
+    want = fsdpcheck.fingerprint_checkpoint(meta.original, convert=convert_weights.meta_to_tune)
+    assert got == {k: f"0x{v:016x}" for k, v in want.items()}
+    # ... which are the live torchtune model's, whose weights that file holds.
+    assert want == fsdpcheck.fingerprint(meta.live)

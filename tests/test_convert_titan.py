@@ -14,8 +14,8 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed")
 pytest.importorskip("triton", reason="torchtitan's Llama3 imports triton")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-from tests.convert_titan_scenarios import FAULTS, PLANT, REGISTRY  # noqa: E402
-from tests.dist_harness import Checks, Spawns  # noqa: E402
+from tests.convert_titan_scenarios import FAULTS, PLANT, REGISTRY
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.convert_titan_scenarios"
 CASES = REGISTRY.cases()
@@ -60,8 +60,9 @@ def each_broken_export_names_exactly_its_keys(r, world):
     assert f == [PLANT[0], "value", list(PLANT[1]), 1]
     assert r["source"] == ["layers.1.attention.qkv_linear.wqkv.weight", [75, 5]]
     assert r["one_element"]["sources"] == [r["source"]]
-    assert "at index (45, 5) <- layers.1.attention.qkv_linear.wqkv.weight (75, 5) on rank 1" in (
-        r["one_element"]["text"]
+    assert (
+        "at index (45, 5) <- layers.1.attention.qkv_linear.wqkv.weight (75, 5) on rank 1"
+        in (r["one_element"]["text"])
     )
 
 
