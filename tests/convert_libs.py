@@ -406,7 +406,7 @@ def gpt2_linear(root: Path) -> LibCase:
 EXPERTS = 3
 
 
-def mixtral(seed: int = 0) -> Any:
+def mixtral(seed: int = 0, tied: bool = False) -> Any:
     """A small transformers Mixtral (stacked experts live: ``mlp.experts.gate_up_proj``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -414,7 +414,7 @@ def mixtral(seed: int = 0) -> Any:
     cfg = MixtralConfig(
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FF, num_hidden_layers=LAYERS,
         num_attention_heads=H, num_key_value_heads=KV, num_local_experts=EXPERTS,
-        num_experts_per_tok=2, max_position_embeddings=64,
+        num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=tied,
     )  # fmt: skip
     return MixtralForCausalLM(cfg).eval()
 

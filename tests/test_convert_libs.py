@@ -174,6 +174,21 @@ def test_mixtral_declares_its_layout_nothing_stated(built):
     assert after == fp and after != before
 
 
+def test_mixtral_with_tied_embeddings_saves_the_tie_once(tmp_path):
+    """save_pretrained drops lm_head.weight (tied): the declared layout drops it the same way."""
+    _needs("transformers")
+    model = cl.mixtral(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    r = fsdpcheck.verify(model, tmp_path)
+    assert r.ok, str(r)
+    (row,) = [m for m in r.mapping if m.a == "lm_head.weight"]
+    assert row.status == "ignored" and "tied to model.embed_tokens.weight" in row.reason
+    other = cl.mixtral(seed=1, tied=True)
+    assert fsdpcheck.load(other, tmp_path).ok
+    assert fsdpcheck.fingerprint(other) == fsdpcheck.fingerprint(model)
+
+
 def test_load_through_a_library_conversion(built):
     """torchtune's HF files loaded into a fresh torchtune model through tune_to_hf."""
     case = case_of(built, "torchtune-hf")

@@ -320,7 +320,6 @@ def _transformers_saved(model: torch.nn.Module) -> tuple[str, Callable] | None:
     hf: Any = model
     try:
         from transformers.core_model_loading import PrefixChange, revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError:
         return None
     conversions = getattr(model, "_weight_conversions", None)
@@ -335,12 +334,46 @@ def _transformers_saved(model: torch.nn.Module) -> tuple[str, Callable] | None:
     if not conversions:
         return None
 
+    tied = _tied_duplicates(hf)
+
     def save_pretrained_layout(sd: dict[str, Any]) -> dict[str, Any]:
-        kept = remove_tied_weights_from_state_dict(dict(sd), hf)
+        kept = {k: v for k, v in sd.items() if k not in tied}
         return dict(revert_weight_conversion(hf, kept))
 
     words = f"{_class_name(model)}.save_pretrained's layout (its conversion mapping reverted)"
     return words, save_pretrained_layout
+
+
+def _tied_duplicates(hf: Any) -> set[str]:
+    """The tied parameters' names ``save_pretrained`` leaves out (it keeps one per group).
+
+    NOTE: [tied names] transformers' ``remove_tied_weights_from_state_dict`` groups names by
+    storage pointer, which shape-only tensors do not have; the groups are the same Parameter
+    objects, and of each group it deletes the names its ``_tied_weights_keys`` patterns match,
+    keeping at least one. The same rule, by object identity.
+    """
+    import re
+
+    from fsdpcheck.live import model_canonicalizer
+
+    try:
+        from transformers.modeling_utils import _get_tied_weight_keys
+
+        patterns = list(_get_tied_weight_keys(hf))
+    except (ImportError, AttributeError):
+        patterns = []
+    canon = model_canonicalizer(hf)
+    by_id: dict[int, list[str]] = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(canon(name))
+    out: set[str] = set()
+    for names in by_id.values():
+        if len(names) < 2:
+            continue
+        drop = [n for n in sorted(names) if any(re.search(pat, n) for pat in patterns)]
+        drop = drop[: len(names) - 1]  # at least the last sorted one stays
+        out.update(drop or names[1:])  # no pattern (save_pretrained refuses): keep the first
+    return out
 
 
 def _torchtitan_saved(model: torch.nn.Module) -> tuple[str, Callable] | None:
