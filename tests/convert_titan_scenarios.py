@@ -349,3 +349,32 @@ def mixtral_sharded_nothing_stated(w: World) -> Any:
             out[fault] = summary(fsdpcheck.verify(m, files[fault][0]))
     out["expected"] = {f: keys for f, (_, keys) in files.items()}
     return out
+
+
+@scenario(2)
+def titan_resumed_from_its_hf_export(w: World) -> Any:
+    """torchtitan's own initial load from its HF export (through its adapter), then
+    ``integrations.torchtitan.verify_after_load``: checked through the same adapter."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    from fsdpcheck.integrations.torchtitan import verify_after_load
+
+    m = titan_model(seed=3)
+    opts, scheds = titan_optimizers(m)
+    cfg = CheckpointManager.Config(
+        enable=True, folder="resume", interval=1, initial_load_path=str(w.ckpts["hf"]),
+        initial_load_in_hf=True, initial_load_model_only=True,
+    )  # fmt: skip
+    manager = cfg.build(
+        dataloader=None, model_parts=[m], optimizers=opts, lr_schedulers=scheds, states={},
+        sd_adapter=Llama3StateDictAdapter(m.config, None), base_folder=str(w.workdir),
+    )  # fmt: skip
+    loaded = manager.load(step=-1)
+    r = verify_after_load(manager)
+    manager.close()
+    return {
+        "loaded": bool(loaded),
+        "report": summary(r),
+        "equal": fsdpcheck.fingerprint(m) == model_only(fsdpcheck.fingerprint(w.base.model)),
+    }

@@ -92,3 +92,10 @@ def mixtral_against_its_own_files(r, world):
     (f,) = r["one_element"]["findings"]
     assert f[:3] == [r["expected"]["one_element"][0], "value", [5, 9]]
     assert r["one_element"]["sources"] == [["model.layers.0.mlp.experts.gate_up_proj", [1, 53, 9]]]
+
+
+@checks("titan_resumed_from_its_hf_export")
+def torchtitans_hf_load_checked_through_its_adapter(r, world):
+    assert r["loaded"] and r["equal"]
+    assert r["report"]["ok"], r["report"]["text"]
+    assert r["report"]["keys"] == [TENSORS] * 3
