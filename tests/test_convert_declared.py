@@ -203,3 +203,9 @@ def test_torchs_own_hooks_are_not_a_declared_conversion():
     assert not has_own_hooks(lin) and declared_conversion(lin) is None
     lin.register_state_dict_post_hook(lambda *a: None)
     assert has_own_hooks(lin)
+
+
+def test_save_of_a_model_with_its_own_hooks_says_why_not(tmp_path):
+    with pytest.raises(TypeError, match="own state-dict hooks"):
+        fsdpcheck.save(Net(), tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
