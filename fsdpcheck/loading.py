@@ -17,9 +17,8 @@ import torch
 
 from fsdpcheck import matching
 from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, digest, distinct
-from fsdpcheck.convert import Conversion, Piece, Target
+from fsdpcheck.convert import Conversion, Target
 from fsdpcheck.convert.declared import stated_or_declared
-from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.errors import CheckpointError, CheckpointKindError, describe_error, root_cause
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
@@ -30,11 +29,10 @@ from fsdpcheck.opening import open_checked
 from fsdpcheck.reading.live import (
     buffer_names,
     compile_for_live,
+    converted_reads,
     converted_state,
-    local_parts,
-    source_layouts,
+    write_in_place,
 )
-from fsdpcheck.reading.plan import target_view
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
@@ -184,11 +182,17 @@ def _load(
         lambda: _pair(model, optimizer, info, source, key_map, convert),
         f"pairing {path} with the model",
     )
-    if work.conv is not None:
+    conv = work.conv
+    if conv is not None:
         # Model tensors through the conversion: each rank reads the regions its own pieces
         # name, every rank agrees the reads succeeded, then each writes into its shards.
-        writes = agree(comm, lambda: _read_converted(work, comm.world), f"reading {path}")
-        _write_converted(writes)
+        items = work.match.items
+        writes = agree(
+            comm,
+            lambda: converted_reads(work.source, items, conv, work.values, comm.world),
+            f"reading {path}",
+        )
+        write_in_place(writes)
     if info.kind == "sharded":
         _load_dcp(work, group, comm)
     else:
@@ -534,66 +538,6 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
                 "param_groups": own["param_groups"],
             }
             set_optimizer_state_dict(part, opt, mine, options=options)
-
-
-def _read_converted(w: _Work, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(view of a live shard, the checkpoint's values for it) for every converted piece here.
-
-    Local I/O only. Each part of a target this rank's shards hold is a strided view of a
-    shard (``reading.live.local_parts``); the checkpoint region its piece names is read and
-    viewed in the part's order (``plan.target_view``). Shapes are checked before anything is
-    read, and nothing is written here.
-    """
-    assert w.conv is not None
-    entries = w.source.entries()
-    shapes = {k: v[0] for k, v in w.conv.sources.items()}
-    cache: dict[str, Any] = {}
-    parts: list[tuple[torch.Tensor, Piece, Target]] = []
-    regions: list[Region] = []
-    for item in w.match.items:
-        t = item.value
-        if not isinstance(t, Target):
-            continue
-        entry = entries[item.ckpt_key]
-        if tuple(entry.shape) != t.shape:
-            raise CheckpointError(
-                f"{t.name}: the conversion makes it {t.shape} but the checkpoint's "
-                f"{item.ckpt_key} is {tuple(entry.shape)} (nothing was loaded)"
-            )
-        layouts, error = source_layouts(t, w.values, world, cache)
-        if error is not None:
-            raise CheckpointError(f"{t.name}: {error} (nothing was loaded)")
-        for view, q in local_parts(t, layouts, shapes, 1 << 62, for_reading=True):
-            off, size, _ = target_box(q, t.shape)
-            parts.append((view, q, t))
-            regions.append(Region(item.ckpt_key, off, size))
-    refs = w.source.read(regions, torch.device("cpu")) if regions else []
-    return [
-        (_writable(view, q), _writable_ref(target_view(ref, q, t.shape), q))
-        for (view, q, t), ref in zip(parts, refs)
-    ]
-
-
-def _writable(view: torch.Tensor, p: Piece) -> torch.Tensor:
-    """A piece's view of a shard with each broadcast dim (stride 0) taken once."""
-    for d, (k, s) in enumerate(zip(p.size, p.strides)):
-        if k > 1 and s == 0:
-            view = view.narrow(d, 0, 1)
-    return view
-
-
-def _writable_ref(ref: torch.Tensor, p: Piece) -> torch.Tensor:
-    for d, (k, s) in enumerate(zip(p.size, p.strides)):
-        if k > 1 and s == 0:
-            ref = ref.narrow(d, 0, 1)
-    return ref
-
-
-def _write_converted(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Each checkpoint region into the view of the shard it belongs to (in place)."""
-    with torch.no_grad():
-        for view, ref in writes:
-            view.copy_(ref)
 
 
 def _whole(entry: Any) -> Region:

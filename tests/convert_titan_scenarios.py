@@ -242,6 +242,8 @@ def summary(r: fsdpcheck.Report) -> dict[str, Any]:
         ],
         "sources": [_source(f) for f in r.findings],
         "keys": [r.keys_a, r.keys_b, r.keys_checked],
+        "elements": r.elements_checked,
+        "bytes": r.bytes_read,
         "notes": r.notes,
         "text": re.sub(r"read in [0-9.]+ s", "read", str(r)),
     }

@@ -41,6 +41,14 @@ def own_step_and_export_are_ok(r, world):
     # 21 model tensors and 17 parameters' exp_avg, exp_avg_sq and step (in wqkv's name).
     assert r["step"]["keys"] == [TENSORS + 3 * 17] * 3
     assert r["hf"]["keys"] == [TENSORS] * 3
+    # Each rank reads the regions its own pieces name: every fp32 element of the export once
+    # on 2 ranks (no shard cuts a head), at most twice where 3 ranks' shards cut heads.
+    n = r["hf"]["elements"]
+    assert n == r["bf16_cast"]["elements"] > 0
+    assert 4 * n <= r["hf"]["bytes"] <= 8 * n
+    assert 2 * n <= r["bf16_cast"]["bytes"] <= 4 * n
+    if world == 2:
+        assert r["hf"]["bytes"] == 4 * n
     assert any("state-dict hooks: 21 tensor(s) from 17" in n for n in r["step"]["notes"])
     assert any("Llama3StateDictAdapter.to_hf" in n for n in r["hf"]["notes"])
     # The bf16 export with its cast not stated: a dtype finding per tensor, no value finding.
