@@ -209,3 +209,15 @@ def test_save_of_a_model_with_its_own_hooks_says_why_not(tmp_path):
     with pytest.raises(TypeError, match="own state-dict hooks"):
         fsdpcheck.save(Net(), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_pipeline_parts_with_hooks_are_one_model(tmp_path):
+    """The stages a rank runs (named as in the whole model) declare their hooks together."""
+    whole = Net()
+    ref = saved(whole, tmp_path / "m.safetensors")
+    first, second = nn.Module(), nn.Module()
+    first.emb, first.attn = whole.emb, whole.attn
+    second.out = whole.out
+    r = fsdpcheck.verify([first, second], ref)
+    assert r.ok, str(r)
+    assert fsdpcheck.fingerprint([first, second]) == fsdpcheck.fingerprint_checkpoint(ref)

@@ -95,20 +95,29 @@ def declared_conversion(model: Any) -> Declared | None:
     """The layouts `model` declares besides its live one, or None when it declares none.
 
     Args:
-        model: An nn.Module (FSDP2 and wrappers included) or a list of model parts; a state
-            dict declares nothing.
+        model: An nn.Module (FSDP2 and wrappers included) or a list of model parts (pipeline
+            stages, named as in the whole model); a state dict declares nothing.
 
     Returns:
         A Declared (``convert=`` accepts it), or None.
     """
-    if not isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module):
+        parts = [model]
+    elif (
+        isinstance(model, (list, tuple))
+        and model
+        and all(isinstance(m, torch.nn.Module) for m in model)
+    ):
+        parts = list(model)  # the pipeline stages a rank runs, named as in the whole model
+    else:
         return None
-    hooked = _hooked_modules(model)
-    hooks = _HookedStateDict(model, hooked) if hooked else None
-    saved = [s for s in (_transformers_saved(model), _torchtitan_saved(model)) if s is not None]
+    hooked = [(part, prefix, m) for part in parts for prefix, m in _hooked_modules(part)]
+    hooks = _HookedStateDict(parts[0], hooked) if hooked else None
+    first = parts[0]
+    saved = [s for s in (_transformers_saved(first), _torchtitan_saved(first)) if s is not None]
     if hooks is None and not saved:
         return None
-    return Declared(_class_name(model), hooks, saved)
+    return Declared(_class_name(first), hooks, saved)
 
 
 def stated_or_declared(model: Any, convert: Any) -> Any:
@@ -255,21 +264,25 @@ class _HookedStateDict:
     runs there; every other tensor keeps its name. Nothing of the live model is touched.
     """
 
-    def __init__(self, model: torch.nn.Module, hooked: list[tuple[str, torch.nn.Module]]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hooked: list[tuple[torch.nn.Module, str, torch.nn.Module]],
+    ) -> None:
         from fsdpcheck.live import model_canonicalizer
 
-        self.canon = model_canonicalizer(model)
         self.description = f"{_class_name(model)}'s state-dict hooks"
-        self.parts: list[tuple[str, torch.nn.Module, dict[str, tuple[dict[str, Any], str]]]] = []
-        for prefix, module in hooked:
+        self.parts: list[tuple[str, torch.nn.Module, dict[str, Any], Callable[[str], str]]] = []
+        canons: dict[int, Callable[[str], str]] = {}
+        for part, prefix, module in hooked:  # part: the model (or pipeline stage) it is in
+            canon = canons.setdefault(id(part), model_canonicalizer(part))
             slots: dict[str, tuple[dict[str, Any], str]] = {}
             copy = _meta_copy(module, prefix, slots)
-            self.parts.append((prefix, copy, {self.canon(k): v for k, v in slots.items()}))
-        self.__qualname__ = self.description
+            self.parts.append((prefix, copy, {canon(k): v for k, v in slots.items()}, canon))
 
     def __call__(self, sd: Mapping[str, Any]) -> dict[str, Any]:
         owner: dict[str, int] = {}
-        for i, (_, _, slots) in enumerate(self.parts):
+        for i, (_, _, slots, _) in enumerate(self.parts):
             for name in slots:
                 owner.setdefault(name, i)
         made: dict[int, dict[str, Any]] = {}
@@ -284,7 +297,7 @@ class _HookedStateDict:
         return out
 
     def _state_dict(self, i: int, sd: Mapping[str, Any]) -> dict[str, Any]:
-        prefix, copy, slots = self.parts[i]
+        prefix, copy, slots, canon = self.parts[i]
         for name, (where, attr) in slots.items():
             if name in sd:
                 where[attr] = sd[name]
@@ -294,7 +307,7 @@ class _HookedStateDict:
             for name, (where, attr) in slots.items():  # hold no traced tensor afterwards
                 if name in sd:
                     where[attr] = _shape_only(where[attr])
-        return {self.canon(k): v for k, v in got.items()}
+        return {canon(k): v for k, v in got.items()}
 
 
 # -------------------------------------------------------------------------------------------
