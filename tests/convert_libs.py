@@ -433,3 +433,56 @@ def mixtral_case(root: Path) -> LibCase:
     swapped(case, "gate_up_swapped", [(e.format(0, 2, "w1"), e.format(0, 2, "w3"))], root)
     zeros(case, e.format(1, 1, "w2"), root)
     return case
+
+
+# -------------------------------------------------------------------------------------------
+# What the tests assert on, computed where the library lives (in the test process, or in the
+# child process that runs torchtune: tests/convert_tune.py).
+def _source(f: Any) -> list[Any] | None:
+    return [f.abs_source[0], list(f.abs_source[1])] if f.abs_source else None
+
+
+def report_of(r: Any) -> dict[str, Any]:
+    """A report as JSON-able facts."""
+    return {
+        "ok": r.ok,
+        "findings": [
+            [f.key, f.kind, list(f.max_abs_index) if f.max_abs_index else None, f.mismatched]
+            for f in r.findings
+        ],
+        "sources": [_source(f) for f in r.findings],
+        "keys": [r.keys_a, r.keys_b, r.keys_checked],
+        "elements": r.elements_checked,
+        "notes": list(r.notes),
+        "mapping": [[m.a, m.b, m.status, m.reason] for m in r.mapping],
+        "text": str(r),
+    }
+
+
+def checks(case: LibCase) -> dict[str, Any]:
+    """Every check of a case, run: the clean file, each fault, the one element, fingerprints."""
+    import fsdpcheck
+    from fsdpcheck.testing import unchanged
+
+    out: dict[str, Any] = {"plant": [case.plant[0], list(case.plant[1])],
+                           "source": [case.source[0], list(case.source[1])]}  # fmt: skip
+    with unchanged(case.live):
+        out["clean"] = report_of(fsdpcheck.verify(case.live, case.clean, convert=case.convert))
+        out["faults"] = {
+            fault: {"report": report_of(fsdpcheck.verify(case.live, path, convert=case.convert)),
+                    "expected": keys}
+            for fault, (path, keys) in case.faults.items()
+        }  # fmt: skip
+        convert = case.convert
+        if convert is None:  # Mixtral: the library's own function save_pretrained runs
+            from transformers.core_model_loading import revert_weight_conversion
+
+            convert = functools.partial(revert_weight_conversion, case.live)
+        live = fsdpcheck.fingerprint(case.live, convert=convert)
+    file = fsdpcheck.fingerprint_checkpoint(case.clean)
+    planted = fsdpcheck.fingerprint_checkpoint(case.faults["one_element"][0])
+    out["file_entries"] = len(file)
+    out["file_elements"] = sum(v.numel() for v in read_file(weights_file(case.clean)).values())
+    out["fingerprints_equal"] = live == file
+    out["planted_differs"] = sorted(k for k in file if planted[k] != live.get(k))
+    return out

@@ -6,30 +6,49 @@ fused into one ``attn.qkv``), transformers 5.24 (GPT-2's Conv1D against an nn.Li
 Mixtral's stacked experts against its own ``save_pretrained``, nothing stated). Each clean
 checkpoint is OK; each fault planted after the conversion names exactly its keys, and the one
 changed element is named at its key and index with the live element it comes from
-(``tests/convert_libs.py`` builds them). Every library is optional: a missing one skips.
-torchtitan's own Llama3 (fused q/k/v under FSDP2) is in tests/test_convert_titan.py.
+(``tests/convert_libs.py`` builds them and runs the checks). Every library is optional: a
+missing one skips. torchtune runs in a child process (tests/convert_tune.py: its torchao would
+stop peft in this one). torchtitan's own Llama3 (fused q/k/v under FSDP2) is in
+tests/test_convert_titan.py.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import math
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import fsdpcheck
-from fsdpcheck.testing import unchanged
 from tests import convert_libs as cl
+
+REPO = Path(__file__).resolve().parent.parent
+#: Where scripts/setup.sh puts the torchao torchtune needs (see tests/convert_tune.py).
+TORCHAO = Path(sys.prefix) / "torchao-for-torchtune"
 
 
 def _needs(*modules: str) -> None:
     for m in modules:
         if importlib.util.find_spec(m) is None:
-            pytest.skip(f"{m} is not installed (requirements-test-libs.txt)")
+            pytest.skip(f"{m} is not installed (scripts/setup.sh installs it)")
+
+
+def _tune(root: Path) -> dict[str, Any]:
+    """torchtune's cases, built and checked in a child process (its torchao on its path)."""
+    _needs("torchtune", "transformers")
+    if not (TORCHAO / "torchao").is_dir():
+        pytest.skip(f"{TORCHAO} holds no torchao (scripts/setup.sh installs it)")
+    got = subprocess.run(
+        [sys.executable, "-m", "tests.convert_tune", str(root), str(TORCHAO)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr[-4000:]
+    return json.loads((root / "results.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +62,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             folder = root / name
             folder.mkdir()
             if name == "torchtune":
-                _needs("torchtune", "transformers")
-                hf = cl.torchtune_hf(folder)
-                meta = cl.torchtune_meta(folder, _fresh_tune(hf.live))
-                cache[name] = {"torchtune-hf": hf, "torchtune-meta": meta}
+                got = _tune(folder)
+                cache[name] = {k: ("results", v) for k, v in got.items()}
             elif name == "litgpt":
                 _needs("litgpt", "transformers")
                 a, b = cl.litgpt_cases(folder)
@@ -59,14 +76,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 cache[name] = {"mixtral": cl.mixtral_case(folder)}
         return cache[name]
 
-    return {"get": get}
-
-
-def _fresh_tune(model: Any) -> Any:
-    """A second torchtune model holding the same values (the Meta round trip loads into it)."""
-    import copy
-
-    return copy.deepcopy(model)
+    return {"get": get, "checks": {}}
 
 
 CASES = {
@@ -77,6 +87,8 @@ CASES = {
     "gpt2-linear": "gpt2",
     "mixtral": "mixtral",
 }
+#: Where each case's (and torchtune's other checks') results come from.
+LIBRARY = {**CASES, "extra": "torchtune"}
 FAULTS = [
     ("torchtune-hf", "no_permute"),
     ("torchtune-hf", "gate_up_swapped"),
@@ -96,64 +108,61 @@ FAULTS = [
 
 
 def case_of(built: dict[str, Any], name: str) -> cl.LibCase:
-    return built["get"](CASES[name])[name]
+    got = built["get"](CASES[name])[name]
+    assert isinstance(got, cl.LibCase)
+    return got
+
+
+def results_of(built: dict[str, Any], name: str) -> dict[str, Any]:
+    """The checks of a case (``convert_libs.checks``), run once, where its library lives."""
+    got = built["get"](LIBRARY[name])[name]
+    if isinstance(got, tuple):
+        return got[1]
+    if name not in built["checks"]:
+        built["checks"][name] = cl.checks(got)
+    return built["checks"][name]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_clean_conversion_is_ok(built, name):
     """What the library's own converter wrote is OK through its own conversion function."""
-    case = case_of(built, name)
-    with unchanged(case.live):
-        r = fsdpcheck.verify(case.live, case.clean, convert=case.convert)
-    assert r.ok, str(r)
+    r = results_of(built, name)
+    clean = r["clean"]
+    assert clean["ok"], clean["text"]
     # Every tensor of the file was compared (a tied duplicate is checked against its first).
-    entries = fsdpcheck.fingerprint_checkpoint(case.clean)
-    assert r.keys_b == len(entries) > 0
-    assert r.keys_checked == r.keys_a >= r.keys_b
-    assert r.elements_checked >= sum(math.prod(s) for s in _shapes(case.clean).values())
-
-
-def _shapes(path: Any) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in cl.read_file(cl.weights_file(path)).items()}
+    keys_a, keys_b, checked = clean["keys"]
+    assert keys_b == r["file_entries"] > 0
+    assert checked == keys_a >= keys_b
+    assert clean["elements"] >= r["file_elements"]
 
 
 @pytest.mark.parametrize("name,fault", FAULTS, ids=[f"{n}-{f}" for n, f in FAULTS])
 def test_planted_fault_names_exactly_its_keys(built, name, fault):
-    case = case_of(built, name)
-    path, keys = case.faults[fault]
-    r = fsdpcheck.verify(case.live, path, convert=case.convert)
-    assert not r.ok
-    assert sorted(f.key for f in r.findings) == keys, str(r)
-    assert {f.kind for f in r.findings} == {"value"}, str(r)
+    got = results_of(built, name)["faults"][fault]
+    r = got["report"]
+    assert not r["ok"]
+    assert sorted(f[0] for f in r["findings"]) == got["expected"], r["text"]
+    assert {f[1] for f in r["findings"]} == {"value"}, r["text"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_changed_element_is_named_at_its_key_index_and_source(built, name):
-    case = case_of(built, name)
-    path, _ = case.faults["one_element"]
-    r = fsdpcheck.verify(case.live, path, convert=case.convert)
-    (f,) = r.findings
-    assert (f.key, tuple(f.max_abs_index or ())) == case.plant, str(r)
-    assert f.kind == "value" and f.mismatched == 1
-    assert f.abs_source is not None and (f.abs_source[0], tuple(f.abs_source[1])) == case.source
-    src, idx = case.source
-    assert f"<- {src} ({', '.join(map(str, idx))})" in str(r)
+    got = results_of(built, name)
+    r = got["faults"]["one_element"]["report"]
+    ((key, kind, index, mismatched),) = r["findings"]
+    assert [key, index] == got["plant"], r["text"]
+    assert kind == "value" and mismatched == 1
+    assert r["sources"] == [got["source"]]
+    src, idx = got["source"]
+    assert f"<- {src} ({', '.join(map(str, idx))})" in r["text"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fingerprints_through_the_conversion_equal_the_files(built, name):
     """The live model's fingerprints in the file's coordinates, without the file's data."""
-    case = case_of(built, name)
-    convert = case.convert
-    if convert is None:  # Mixtral: the library's own function save_pretrained runs
-        from transformers.core_model_loading import revert_weight_conversion
-
-        convert = functools.partial(revert_weight_conversion, case.live)
-    live = fsdpcheck.fingerprint(case.live, convert=convert)
-    file = fsdpcheck.fingerprint_checkpoint(case.clean)
-    assert live == file
-    planted = fsdpcheck.fingerprint_checkpoint(case.faults["one_element"][0])
-    assert sorted(k for k in file if planted[k] != live[k]) == [case.plant[0]]
+    got = results_of(built, name)
+    assert got["fingerprints_equal"]
+    assert got["planted_differs"] == [got["plant"][0]]
 
 
 def test_mixtral_declares_its_layout_nothing_stated(built):
@@ -191,14 +200,9 @@ def test_mixtral_with_tied_embeddings_saves_the_tie_once(tmp_path):
 
 def test_load_through_a_library_conversion(built):
     """torchtune's HF files loaded into a fresh torchtune model through tune_to_hf."""
-    case = case_of(built, "torchtune-hf")
-    other = _fresh_tune(case.live)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(0.5)
-    r = fsdpcheck.load(other, case.clean, convert=case.convert, verify="full")
-    assert r.ok, str(r)
-    assert fsdpcheck.fingerprint(other) == fsdpcheck.fingerprint(case.live)
+    extra = results_of(built, "extra")
+    assert extra["load"]["ok"], extra["load"]["text"]
+    assert extra["load_equal"]
 
 
 def test_litgpt_files_compared_through_litgpt_code(built):
@@ -212,54 +216,47 @@ def test_litgpt_files_compared_through_litgpt_code(built):
     assert (f.key, tuple(f.max_abs_index or ())) == b.plant
     # The fused qkv, split by litgpt's own code: the source named is the qkv row.
     assert f.abs_source is not None and f.abs_source[0] == "transformer.h.0.attn.qkv.weight"
+    # The way back: lit_model.pth fingerprinted in HF's names equals the HF file's.
+    assert fsdpcheck.fingerprint_checkpoint(a.clean, convert=b.convert) == (
+        fsdpcheck.fingerprint_checkpoint(b.clean)
+    )
 
 
 def test_meta_and_hf_files_through_torchtunes_functions(built):
     """Meta layout vs HF layout: torchtune's meta_to_tune then tune_to_hf, one conversion."""
-    from torchtune.models import convert_weights
-
-    meta = case_of(built, "torchtune-meta")
-    hf = case_of(built, "torchtune-hf")
-    to_hf = hf.convert
-
-    def meta_to_hf(sd: dict) -> dict:
-        return to_hf(convert_weights.meta_to_tune(sd))
-
-    r = fsdpcheck.compare_checkpoints(meta.clean, hf.clean, convert=meta_to_hf)
-    assert r.ok, str(r)
+    extra = results_of(built, "extra")
+    assert extra["meta_vs_hf"]["ok"], extra["meta_vs_hf"]["text"]
     # Meta's own file holds rope.freqs, which meta_to_tune leaves out: on purpose, not a loss.
-    assert meta.original is not None
-    r = fsdpcheck.compare_checkpoints(meta.original, hf.clean, convert=meta_to_hf)
-    assert r.ok, str(r)
-    (row,) = [m for m in r.mapping if m.a == "rope.freqs"]
-    assert row.status == "ignored" and "rotary cache" in row.reason
+    r = extra["meta_original_vs_hf"]
+    assert r["ok"], r["text"]
+    (row,) = [m for m in r["mapping"] if m[0] == "rope.freqs"]
+    assert row[2] == "ignored" and "rotary cache" in row[3]
     # A weight a converter leaves out is not: it is named as unexpected.
-    r = fsdpcheck.compare_checkpoints(
-        meta.original,
-        hf.clean,
-        convert=lambda sd: meta_to_hf({k: v for k, v in sd.items() if k != "output.weight"}),
-    )
-    assert sorted((f.key, f.kind) for f in r.findings) == [
+    r = extra["weight_left_out"]
+    assert sorted((f[0], f[1]) for f in r["findings"]) == [
         ("lm_head.weight", "missing"),
         ("output.weight", "unexpected"),
-    ], str(r)
+    ], r["text"]
 
 
 def test_no_names_pair_says_so_once(built):
     """litgpt vs HF and Meta vs HF with no hint: one note, and the way to state it."""
     lit = case_of(built, "litgpt-hf-to-lit")
-    hf = case_of(built, "torchtune-hf")
-    meta = case_of(built, "torchtune-meta")
-    assert meta.original is not None
-    for a, b in ((lit.clean, hf.clean), (meta.original, hf.clean)):
-        r = fsdpcheck.compare_checkpoints(a, b)
-        notes = [n for n in r.notes if "the two sides use different naming" in n]
-        assert len(notes) == 1, r.notes
-        assert "convert=" in notes[0] and "key_map=" in notes[0]
-        na = len(fsdpcheck.fingerprint_checkpoint(a))
+    hf = case_of(built, "litgpt-lit-to-hf")  # HF's names, written by convert_lit_checkpoint
+    r = fsdpcheck.compare_checkpoints(lit.clean, hf.clean)
+    meta = results_of(built, "extra")
+    got = [
+        (r.notes, len(r.findings), len(fsdpcheck.fingerprint_checkpoint(lit.clean))),
+        (meta["meta_vs_hf_no_hint"]["notes"], len(meta["meta_vs_hf_no_hint"]["findings"]),
+         meta["meta_entries"]),
+    ]  # fmt: skip
+    for notes, findings, na in got:
+        said = [n for n in notes if "the two sides use different naming" in n]
+        assert len(said) == 1, notes
+        assert "convert=" in said[0] and "key_map=" in said[0]
         # At most one name in common (litgpt's lm_head.weight, Meta's norm.weight).
-        assert re.match(rf"[01] of {na} names pair;", notes[0]), notes[0]
-        assert len(r.findings) >= na  # the names themselves are listed as before
+        assert re.match(rf"[01] of {na} names pair;", said[0]), said[0]
+        assert findings >= na  # the names themselves are listed as before
 
 
 def test_a_forgotten_square_transpose_fails_by_value(built):
@@ -267,28 +264,15 @@ def test_a_forgotten_square_transpose_fails_by_value(built):
     case = case_of(built, "gpt2-linear")
     path, keys = case.faults["no_transpose"]
     r = fsdpcheck.verify(case.live, path, convert=case.convert)
+    assert sorted(f.key for f in r.findings) == keys
     for f in r.findings:
-        assert f.key in keys and f.kind == "value"
-        n = math.prod(case.live.get_parameter(f.key).shape)
-        assert f.mismatched > n // 2  # nearly every element off, not one
+        n = case.live.get_parameter(f.key).numel()
+        assert f.kind == "value" and f.mismatched > n // 2  # nearly every element off
 
 
-def test_cli_converts_by_a_library_function_named_module_attr(built, capsys):
-    """``--convert torchtune.models.convert_weights:tune_to_meta`` on the command line."""
-    import json
-
-    from fsdpcheck.cli import main
-
-    meta = case_of(built, "torchtune-meta")
-    assert meta.original is not None
-    # Meta's file in torchtune's names (meta_to_tune takes no arguments: named as it is).
-    how = "torchtune.models.convert_weights:meta_to_tune"
-    capsys.readouterr()
-    assert main(["fingerprint", str(meta.original), "--convert", how, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    from torchtune.models import convert_weights
-
-    want = fsdpcheck.fingerprint_checkpoint(meta.original, convert=convert_weights.meta_to_tune)
-    assert got == {k: f"0x{v:016x}" for k, v in want.items()}
-    # ... which are the live torchtune model's, whose weights that file holds.
-    assert want == fsdpcheck.fingerprint(meta.live)
+def test_cli_converts_by_a_library_function_named_module_attr(built):
+    """``--convert torchtune.models.convert_weights:meta_to_tune`` on the command line: the
+    fingerprints of Meta's file in torchtune's names, which are the live torchtune model's."""
+    extra = results_of(built, "extra")
+    assert extra["cli_rc"] == 0
+    assert extra["cli_equal"] and extra["cli_is_live"]
