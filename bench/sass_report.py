@@ -149,12 +149,13 @@ def torch_includes() -> list[str]:
     return list(ext.include_paths())
 
 
-def compile_cubin(out: Path, arch: str) -> str:
+def compile_cubin(out: Path, arch: str, src: Path = ROOT / "csrc", extra: list[str] | None = None) -> str:
     """Compiles compare_kernels.cu to a cubin; returns ptxas's -v report."""
     nvcc = find_tool("nvcc")
     cmd = [
         nvcc, "-std=c++20", "-O3", "-DNDEBUG", f"-arch=sm_{arch}", "-cubin", "-lineinfo",
-        "-Xptxas", "-v", f"-I{ROOT / 'csrc'}", "-o", str(out), str(KERNELS_CU),
+        "-Xptxas", "-v", f"-I{src}", *(extra or []), "-o", str(out),
+        str(src / "cuda" / "compare_kernels.cu"),
     ]
     for inc in torch_includes():
         cmd[1:1] = ["-isystem", inc]
@@ -205,6 +206,7 @@ class Instr:
     pred: str  # "" or the guard (@P0, @!P1, ...)
     target: int | None  # branch target
     lines: tuple[int, ...]  # source lines of compare_kernels.h (own, inlined-at)
+    ew_lines: tuple[int, ...] = ()  # source lines of fsdpcheck/elementwise.h (own)
 
     @property
     def base(self) -> str:
@@ -217,7 +219,7 @@ class Function:
     instrs: list[Instr] = field(default_factory=list)
 
 
-def disassemble(cubin: Path) -> dict[str, Function]:
+def disassemble(cubin: Path, header: Path = KERNELS_H) -> dict[str, Function]:
     nvdisasm = find_tool("nvdisasm")
     res = subprocess.run([nvdisasm, "-c", "-gi", str(cubin)], capture_output=True, text=True)
     if res.returncode != 0:
@@ -225,7 +227,8 @@ def disassemble(cubin: Path) -> dict[str, Function]:
     funcs: dict[str, Function] = {}
     f = None
     lines: tuple[int, ...] = ()
-    header = KERNELS_H.name
+    ew_lines: tuple[int, ...] = ()
+    header_name = "/".join(header.parts[-2:])  # cuda/compare_kernels.h
     for raw in res.stdout.splitlines():
         m = re.match(r"\.text\.(\w+):", raw.strip())
         if m:
@@ -233,12 +236,14 @@ def disassemble(cubin: Path) -> dict[str, Function]:
             continue
         if "//## File" in raw:
             found = re.findall(r'File "([^"]+)", line (\d+)|"([^"]+)", line (\d+)', raw)
-            own = []
+            own, ew = [], []
             for a, b, c, d in found:
                 path, ln = (a, b) if a else (c, d)
-                if path.endswith(header):
+                if path.endswith(header_name):
                     own.append(int(ln))
-            lines = tuple(own)
+                elif path.endswith("fsdpcheck/elementwise.h"):
+                    ew.append(int(ln))
+            lines, ew_lines = tuple(own), tuple(ew)
             continue
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", raw)
         if not m or f is None:
@@ -254,7 +259,7 @@ def disassemble(cubin: Path) -> dict[str, Function]:
             t = re.search(r"(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
             if t and t.group(1):
                 target = int(t.group(1), 16)
-        f.instrs.append(Instr(addr, op, text, pred, target, lines))
+        f.instrs.append(Instr(addr, op, text, pred, target, lines, ew_lines))
     # nvdisasm names branch targets by label: map the labels to addresses.
     return resolve_labels(funcs, res.stdout) if "`(.L_x_" in res.stdout else funcs
 
@@ -402,9 +407,9 @@ def source_lines(pattern: str) -> set[int]:
     }
 
 
-def function_lines(signature: str) -> set[int]:
-    """The lines of the body of the function of compare_kernels.h whose definition matches."""
-    text = KERNELS_H.read_text().splitlines()
+def function_lines(signature: str, path: Path = KERNELS_H) -> set[int]:
+    """The lines of the body of the function of `path` whose definition matches."""
+    text = path.read_text().splitlines()
     for i, line in enumerate(text):
         if re.search(signature, line):
             for j in range(i, len(text)):
@@ -718,6 +723,141 @@ def check(rows: list[dict]) -> list[str]:
     return problems
 
 
+def longest_cycle_blocks(blocks: dict[int, Block], allowed: set[int], header: int,
+                         cost: dict[int, int]) -> list[int]:
+    """The blocks of the longest path header -> ... -> header within `allowed` (acyclic once the
+    edges back to the header are cut; inner loops, if any, are not followed around)."""
+    order: list[int] = []
+    seen: set[int] = set()
+
+    def visit(n: int) -> None:  # reverse post-order of the DAG below the header
+        seen.add(n)
+        for t in blocks[n].succ:
+            if t in allowed and t != header and t not in seen and t > n:
+                visit(t)
+        order.append(n)
+
+    visit(header)
+    order.reverse()
+    best = {header: cost[header]}
+    prev: dict[int, int] = {}
+    end, end_d = None, -1.0
+    for n in order:
+        if n not in best:
+            continue
+        for t in blocks[n].succ:
+            if t == header:
+                if best[n] > end_d:
+                    end, end_d = n, best[n]
+            elif t in allowed and t > n and best[n] + cost[t] > best.get(t, -1):
+                best[t] = best[n] + cost[t]
+                prev[t] = n
+    out = []
+    while end is not None:
+        out.append(end)
+        end = prev.get(end)
+    return out
+
+
+def longest_cycle(blocks: dict[int, Block], allowed: set[int], header: int, cost: dict[int, int]) -> float:
+    return float(sum(cost[s] for s in longest_cycle_blocks(blocks, allowed, header, cost)))
+
+
+def chunk_kernel_path(f: Function, elem_size: int, elementwise: Path) -> PathCount | None:
+    """The bit-equal path of the one-block-per-chunk kernel this report replaced (``--before``):
+    the longest cycle of its vector loop (16-byte loads) once the code off that path is taken out
+    (the comparison of different bits, the statistics, the update of a maximum: lines of
+    elementwise.h), and the shortest way from the entry to an exit around it."""
+    blocks = build_cfg(f)
+    loops = natural_loops(blocks)
+
+    def count(loop: Loop) -> int:
+        return sum(1 for s in loop.body for x in blocks[s].instrs if ".128" in x.op and x.op.startswith("LD"))
+
+    loading = [lp for lp in loops if count(lp) > 0]
+    if not loading:
+        return None
+    innermost = [lp for lp in loading if not any(o.body < lp.body for o in loading)]
+    main = max(innermost, key=count)
+    cost = {s: weight(b) for s, b in blocks.items()}
+    # Off the bit-equal path: the pair of different bits, the statistics, a new maximum.
+    off = set()
+    for sig in (r"void accumulate_pair\(", r"ElementResult compare_values\(",
+                r"void accumulate_stats\(", r"Value decode\(", r"double minifloat_to_f64\("):
+        off |= function_lines(sig, elementwise)
+    off |= {i + 1 for i, line in enumerate(elementwise.read_text().splitlines())
+            if re.fullmatch(r"\s+(v = cv;|idx = cidx;)", line)}
+    allowed = {s for s in main.body if not any(set(x.ew_lines) & off for x in blocks[s].instrs)}
+    cycle = longest_cycle(blocks, allowed, main.header, cost)
+    c2 = dict(cost)
+    for s in main.body:
+        c2[s] = 0
+    everything = set(blocks)
+    entry = min(blocks)
+    exits = [s for s, b in blocks.items() if b.instrs[-1].base == "EXIT" and not b.instrs[-1].pred]
+    outside = shortest(blocks, everything, entry, main.header, c2) if entry != main.header else 0
+    outside += min(
+        (shortest(blocks, everything, main.header, x, c2, first_free=True) for x in exits),
+        default=0.0,
+    )
+    pipes: dict[str, float] = {}
+    for s in longest_cycle_blocks(blocks, allowed, main.header, cost):
+        for x in blocks[s].instrs:
+            if x.base != "NOP":
+                pipes[pipe_of(x.op)] = pipes.get(pipe_of(x.op), 0) + 1
+    kv = 16 // elem_size
+    per_iter = VEC_UNROLL * kv
+    rounds = CHUNK // kv // THREADS // VEC_UNROLL
+    per_element = (cycle * rounds + outside) / (CHUNK // THREADS)
+    return PathCount(per_element, int(cycle), outside, {p: n / per_iter for p, n in pipes.items()})
+
+
+def analyse_before(rev: str, arch: str) -> list[dict]:
+    """The kernels of revision `rev` (one chunk kernel for every dtype), compiled once per
+    reported dtype with visit_dtype fixed to it, so that each cubin holds that dtype's loop."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", rev, "csrc"], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        src = Path(tmp) / "csrc"
+        ew = src / "fsdpcheck" / "elementwise.h"
+        text = ew.read_text()
+        anchor = "FSDPCHECK_HD auto visit_dtype(DType d, F&& f) {\n"
+        if anchor not in text:
+            raise SystemExit(f"sass_report: {rev}'s visit_dtype is not the one --before knows")
+        ew.write_text(text.replace(
+            anchor, anchor + "#ifdef FSDPCHECK_SASS_DTYPE\n  d = static_cast<DType>(FSDPCHECK_SASS_DTYPE);\n#endif\n"
+        ))
+        codes = {name: code for code, (name, _) in DTYPE_CODES.items()}
+        for dtype in REPORTED:
+            cubin = Path(tmp) / f"{dtype}.cubin"
+            ptxas = compile_cubin(cubin, arch, src, [f"-DFSDPCHECK_SASS_DTYPE={codes[dtype]}"])
+            resources = parse_ptxas(ptxas)
+            size = dict(DTYPE_CODES.values())[dtype]
+            for mangled, f in disassemble(cubin, src / "cuda" / "compare_kernels.h").items():
+                name, kind, _, mode = describe(mangled)
+                if kind != "chunk":
+                    continue
+                path = chunk_kernel_path(f, size, src / "fsdpcheck" / "elementwise.h")
+                if path is None:
+                    continue
+                read = size * (1 if mode == "fingerprint" else 2)
+                issue, pipe = roofline(path.per_element, path.pipes, read)
+                r = resources.get(mangled, Resources())
+                rows.append(dict(
+                    kernel=f"{name} ({dtype})", dtype=dtype, mode=mode, registers=r.registers,
+                    stack=r.stack, spill_stores=r.spill_stores, spill_loads=r.spill_loads,
+                    smem=r.smem, warps_per_sm=warps_per_sm(r),
+                    per_element=round(path.per_element, 2), main_loop=path.main_loop,
+                    per_chunk_outside=path.per_chunk_outside,
+                    pipes={p: round(v, 2) for p, v in sorted(path.pipes.items())},
+                    roofline_issue=round(issue, 3), roofline_pipes=round(pipe, 3),
+                ))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="90", help="SM architecture (default 90)")
@@ -725,7 +865,21 @@ def main() -> int:
     ap.add_argument("--ptxas-log", type=Path, help="ptxas -v output of --cubin")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--check", action="store_true", help="exit 1 on a spill or a missed target")
+    ap.add_argument(
+        "--before", metavar="REV", help="also report the kernels of git revision REV (lower bounds)"
+    )
     args = ap.parse_args()
+    if args.before:
+        before = analyse_before(args.before, args.arch)
+        print(f"# {args.before}: the chunk kernel (one block per chunk, every dtype in one kernel), bit-equal path, statistics off")
+        print(f"{'kernel':40s} {'regs':>4s} {'spill':>9s} {'warps/SM':>8s} {'instr/elem':>10s} {'loop':>5s} {'roofline (issue)':>16s} {'(pipes)':>8s}")
+        for r in before:
+            print(
+                f"{r['kernel']:40s} {r['registers']:4d} {r['spill_stores']:4d}/{r['spill_loads']:<4d} "
+                f"{r['warps_per_sm']:8d} {r['per_element']:10.2f} {r['main_loop']:5d} "
+                f"{100 * r['roofline_issue']:15.0f}% {100 * r['roofline_pipes']:7.0f}%"
+            )
+        print()
     with tempfile.TemporaryDirectory() as tmp:
         if args.cubin:
             cubin, ptxas = args.cubin, args.ptxas_log.read_text() if args.ptxas_log else ""
