@@ -123,8 +123,21 @@ FSDPCHECK_INLINE void hash_line(const char* v, typename Lanes<W>::u64& keys,
       [&] {
         U32 x;
         pair_elements<W, B, static_cast<int>(G)>(x, v, std::make_index_sequence<W / sizeof(B)>());
-        x ^= (U32)keys;
-        fmix32_lanes(x);
+        // NOTE: [narrow first round] fmix32 starts with x ^= x >> 16, x = key ^ element. An
+        // element of 1 or 2 bytes has no bit at 16 or above, so (key ^ element) >> 16 is
+        // key >> 16 and the first round is key ^ (key >> 16) ^ element: one shift and one
+        // three-way XOR (vpternlogd) instead of XOR, shift, XOR. The same bits (Fingerprint v1).
+        if constexpr (sizeof(B) < 4) {
+          const U32 k = (U32)keys;
+          x ^= k ^ (k >> 16);
+          x *= 0x85EBCA6BU;
+          x ^= x >> 13;
+          x *= 0xC2B2AE35U;
+          x ^= x >> 16;
+        } else {
+          x ^= (U32)keys;
+          fmix32_lanes(x);
+        }
         acc += (U64)x;
         keys += inc;
       }(),
