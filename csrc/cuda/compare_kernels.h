@@ -135,41 +135,6 @@ FSDPCHECK_DEVICE_INLINE void block_chunks(int64_t chunks, unsigned grid, int64_t
 // counts do not move, and one hash per element serves both fingerprints. Only a vector that
 // fails either test goes element by element through accumulate_element (tolerance, maxima with
 // their global index, NaN/Inf classes), into the thread's Tally (NOTE: [tally]).
-//
-// NOTE: [special words] An element is NaN or infinite exactly when its exponent bits are all ones
-// (E4M3FN: when its low 7 bits are; it has no infinity). With the exponent field x (masked, in
-// place) of a lane, x + (its lowest bit) reaches the lane's top bit exactly when x is all ones,
-// and cannot carry into the next lane (x + lowest <= top bit). So per 32-bit word:
-// ((w & kMask) + kAdd) & kTop is non-zero iff a lane of w is special; the masked sums of a
-// vector's words are ORed before the one test. 8-byte elements: the high word only.
-template <DType D>
-struct Specials {
-  static constexpr uint32_t kMask = 0, kAdd = 0, kTop = 0;
-};
-template <>
-struct Specials<DType::kFloat64> {
-  static constexpr uint32_t kMask = 0x7FF00000u, kAdd = 0x00100000u, kTop = 0x80000000u;
-};
-template <>
-struct Specials<DType::kFloat32> {
-  static constexpr uint32_t kMask = 0x7F800000u, kAdd = 0x00800000u, kTop = 0x80000000u;
-};
-template <>
-struct Specials<DType::kBFloat16> {
-  static constexpr uint32_t kMask = 0x7F807F80u, kAdd = 0x00800080u, kTop = 0x80008000u;
-};
-template <>
-struct Specials<DType::kFloat16> {
-  static constexpr uint32_t kMask = 0x7C007C00u, kAdd = 0x04000400u, kTop = 0x80008000u;
-};
-template <>
-struct Specials<DType::kFloat8E5M2> {
-  static constexpr uint32_t kMask = 0x7C7C7C7Cu, kAdd = 0x04040404u, kTop = 0x80808080u;
-};
-template <>
-struct Specials<DType::kFloat8E4M3FN> {
-  static constexpr uint32_t kMask = 0x7F7F7F7Fu, kAdd = 0x01010101u, kTop = 0x80808080u;
-};
 
 constexpr int kVecBytes = 16;
 constexpr int kVecWords = kVecBytes / 4;
@@ -188,10 +153,11 @@ FSDPCHECK_DEVICE_INLINE Vec load_vec(const Vec* p) {
 // 2 x 32 B in flight per thread of a pair (64 KiB per SM).
 constexpr int kVecUnroll = 2;
 
-// Non-zero iff an element of the vector is NaN or infinite (NOTE: [special words]).
+// Non-zero iff an element of the vector is NaN or infinite (NOTE: [special words] in
+// elementwise.h): the words' masked sums ORed, then one test.
 template <DType D>
 FSDPCHECK_DEVICE_INLINE uint32_t special_bits(const Vec& v) {
-  using S = Specials<D>;
+  using S = SpecialWords<D>;
   constexpr bool kWide = sizeof(typename Traits<D>::Bits) == 8;
   uint32_t s = 0;
   FSDPCHECK_UNROLL

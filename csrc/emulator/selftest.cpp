@@ -167,9 +167,54 @@ bool check_launch(const char* what, const std::vector<TensorPlan>& plans, const 
   return true;
 }
 
+// NOTE: [special words] (elementwise.h): the word test equals is_nan || is_inf on every pattern
+// of the 1- and 2-byte dtypes (each lane position of a word, the other lanes finite), and on
+// float32 and float64 around their exponent fields.
+template <DType D>
+bool check_special_words() {
+  using T = Traits<D>;
+  using B = typename T::Bits;
+  constexpr int kBits = 8 * sizeof(B);
+  auto bad = [](uint64_t bits, bool got) {
+    std::fprintf(stderr, "emulator self-test: special_word disagrees with is_nan/is_inf on dtype "
+                 "%d, bits %llx (%d)\n", static_cast<int>(D), static_cast<unsigned long long>(bits),
+                 got);
+    return false;
+  };
+  if constexpr (kBits <= 16) {
+    for (uint32_t b = 0; b < (1u << kBits); ++b) {
+      const bool want = T::is_nan(static_cast<B>(b)) || T::is_inf(static_cast<B>(b));
+      for (int lane = 0; lane < 32 / kBits; ++lane) {
+        const uint32_t w = b << (lane * kBits);  // the other lanes zero (finite)
+        if ((special_word<D>(w) != 0) != want) return bad(b, !want);
+      }
+    }
+  } else {
+    std::mt19937_64 rng(11);
+    for (int i = 0; i < (1 << 20); ++i) {
+      uint64_t bits = rng();
+      if (i % 2 == 0) bits |= kBits == 32 ? 0x7F800000ULL : 0x7FF0000000000000ULL;  // near specials
+      const B b = static_cast<B>(bits);
+      const bool want = T::is_nan(b) || T::is_inf(b);
+      const uint32_t high = static_cast<uint32_t>(static_cast<uint64_t>(b) >> (kBits - 32));
+      if ((special_word<D>(high) != 0) != want) return bad(b, !want);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int run() {
+  const bool words = check_special_words<DType::kBFloat16>() &&
+                     check_special_words<DType::kFloat16>() &&
+                     check_special_words<DType::kFloat8E4M3FN>() &&
+                     check_special_words<DType::kFloat8E5M2>() &&
+                     check_special_words<DType::kFloat32>() &&
+                     check_special_words<DType::kFloat64>() && check_special_words<DType::kInt8>() &&
+                     check_special_words<DType::kInt16>() && check_special_words<DType::kBool>();
+  if (!words) return 1;
+  std::printf("emulator self-test: the special-value word test agrees with is_nan/is_inf\n");
   std::mt19937_64 rng(7);
   const int64_t big = kChunk + 37;  // two chunks; the vectorised path, then a tail
   const Pair f32 = make_pair(big, 4, 0, rng);

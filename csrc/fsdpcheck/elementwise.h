@@ -210,6 +210,49 @@ struct Traits<DType::kFloat8E4M3FN> {
 };
 #undef FSDPCHECK_FLOAT_CLASSIFY
 
+// NOTE: [special words] An element is NaN or infinite exactly when its exponent bits are all
+// ones (E4M3FN: when its low 7 bits are; it has no infinity; integers never are). With x the
+// exponent field of a lane (masked, in place), x + (that field's lowest bit) reaches the lane's
+// top bit exactly when x is all ones, and cannot carry into the next lane (x + lowest <= top
+// bit). So for a 32-bit word w of packed elements, special_word<D>(w) = ((w & kMask) + kAdd) &
+// kTop is non-zero iff one of its elements is NaN or infinite (8-byte elements: their high
+// word). The CUDA vector kernel tests 16 bytes at a time with it; the emulator's self-test holds
+// it equal to is_nan || is_inf on every 1- and 2-byte pattern.
+template <DType D>
+struct SpecialWords {
+  static constexpr uint32_t kMask = 0, kAdd = 0, kTop = 0;
+};
+template <>
+struct SpecialWords<DType::kFloat64> {
+  static constexpr uint32_t kMask = 0x7FF00000u, kAdd = 0x00100000u, kTop = 0x80000000u;
+};
+template <>
+struct SpecialWords<DType::kFloat32> {
+  static constexpr uint32_t kMask = 0x7F800000u, kAdd = 0x00800000u, kTop = 0x80000000u;
+};
+template <>
+struct SpecialWords<DType::kBFloat16> {
+  static constexpr uint32_t kMask = 0x7F807F80u, kAdd = 0x00800080u, kTop = 0x80008000u;
+};
+template <>
+struct SpecialWords<DType::kFloat16> {
+  static constexpr uint32_t kMask = 0x7C007C00u, kAdd = 0x04000400u, kTop = 0x80008000u;
+};
+template <>
+struct SpecialWords<DType::kFloat8E5M2> {
+  static constexpr uint32_t kMask = 0x7C7C7C7Cu, kAdd = 0x04040404u, kTop = 0x80808080u;
+};
+template <>
+struct SpecialWords<DType::kFloat8E4M3FN> {
+  static constexpr uint32_t kMask = 0x7F7F7F7Fu, kAdd = 0x01010101u, kTop = 0x80808080u;
+};
+
+template <DType D>
+FSDPCHECK_HD uint32_t special_word(uint32_t w) {
+  using S = SpecialWords<D>;
+  return ((w & S::kMask) + S::kAdd) & S::kTop;
+}
+
 FSDPCHECK_HD int dtype_size(DType d) {
   switch (d) {
     case DType::kFloat64:
