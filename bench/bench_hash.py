@@ -81,7 +81,9 @@ def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", type=_size, default=1 << 30, help="bytes (1G)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 fsdpcheck.fingerprint_tensor(t)
                 runs.append((time.perf_counter() - w0, time.process_time() - c0))
             wall, cpu = best(runs)
-            rows.append({"what": f"fsdpcheck hash, {name} (1 thread)", "wall_s": wall, "cpu_s": cpu})
+            rows.append(
+                {"what": f"fsdpcheck hash, {name} (1 thread)", "wall_s": wall, "cpu_s": cpu}
+            )
         del raw
         for name, cmd in TOOLS:
             exe = shutil.which(cmd[0])
@@ -126,14 +130,18 @@ def main(argv: list[str] | None = None) -> int:
             child_run(full)  # warm: the file in the page cache
             wall, cpu = best([child_run(full) for _ in range(args.reps)])
             w0, c0 = best([child_run(start) for _ in range(args.reps)])
-            rows.append({"what": name, "wall_s": max(wall - w0, 1e-9), "cpu_s": max(cpu - c0, 1e-9)})
+            rows.append(
+                {"what": name, "wall_s": max(wall - w0, 1e-9), "cpu_s": max(cpu - c0, 1e-9)}
+            )
     for r in rows:
         if not r.get("missing"):
             r["gbps_per_core"] = args.size / r["cpu_s"] / 1e9
             r["gbps_wall"] = args.size / r["wall_s"] / 1e9
     xxh = next((r for r in rows if r["what"] == "xxh128sum" and not r.get("missing")), None)
-    print(f"# {processor()}; {args.size / 1e9:.2f} GB in the page cache; best of {args.reps}; "
-          "start-up subtracted from the commands")
+    print(
+        f"# {processor()}; {args.size / 1e9:.2f} GB in the page cache; best of {args.reps}; "
+        "start-up subtracted from the commands"
+    )
     print(f"{'':38s} {'wall s':>8s} {'CPU s':>8s} {'GB/s/core':>10s} {'xxh128sum / this':>17s}")
     for r in rows:
         if r.get("missing"):
@@ -141,9 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ratio = xxh["gbps_per_core"] / r["gbps_per_core"] if xxh else float("nan")
         r["xxh128sum_over_this"] = ratio
-        print(f"{r['what']:38s} {r['wall_s']:8.3f} {r['cpu_s']:8.3f} {r['gbps_per_core']:10.2f} {ratio:16.2f}x")
+        print(
+            f"{r['what']:38s} {r['wall_s']:8.3f} {r['cpu_s']:8.3f} {r['gbps_per_core']:10.2f} "
+            f"{ratio:16.2f}x"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"processor": processor(), "size": args.size, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps({"processor": processor(), "size": args.size, "rows": rows}, indent=1)
+        )
     return 0
 
 

@@ -15,12 +15,14 @@ kernel:
   chunk's elements;
 - the roofline that count implies on an H200.
 
-How the path is found: the control-flow graph of the kernel's SASS, its natural loops; the main
-loop is the one with the most 16-byte loads (LDG.E.128); the bit-equal path through a loop is
-its shortest cycle once the blocks that mark a vector as leaving the fast path (source lines
-``slow |= ...``, from the line table) are taken out. Loops inside a loop's body count with their
-trip counts on the bit-equal path of a full chunk (segments per chunk, rounds per segment);
-others (the per-element path, the tail) are not entered on that path.
+How the path is found: the control-flow graph of the kernel's SASS and its natural loops; the
+main loop is the innermost loop holding the 16-byte loads of a round (source lines from the line
+table); at each branch inside it with the work of a bit-equal vector (``fast_vector``) on one side
+only, that side is taken; the bit-equal path is then the shortest cycle. Loops around it count
+with their trip counts on a full chunk (segments per chunk, rounds per segment), entered once
+each; the others (the per-element path, the tail) are not entered on that path. ``--before REV``
+reports the one-kernel-per-chunk design this replaced the same way where it can (see
+``chunk_kernel_path``).
 
 The machine model (NVIDIA H200 SXM; stated, not measured): 132 SMs, 4 schedulers per SM, each
 issuing one warp instruction per cycle at 1.98 GHz (3.34e13 thread instructions/s); the integer
@@ -91,9 +93,38 @@ RAW_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 # Pipes, by opcode (the part before the first dot). Everything issues once; these also occupy a
 # pipe narrower than a warp.
 ALU = {
-    "IADD3", "LOP3", "SHF", "ISETP", "SEL", "PRMT", "IMNMX", "VIMNMX", "LEA", "LEA.HI", "FLO",
-    "POPC", "BREV", "IABS", "ISCADD", "PLOP3", "P2R", "R2P", "FSEL", "FSETP", "FMNMX", "BMSK",
-    "SGXT", "LOP", "IADD", "SHL", "SHR", "CSET", "CSETP", "ICMP", "VABSDIFF", "VABSDIFF4",
+    "IADD3",
+    "LOP3",
+    "SHF",
+    "ISETP",
+    "SEL",
+    "PRMT",
+    "IMNMX",
+    "VIMNMX",
+    "LEA",
+    "LEA.HI",
+    "FLO",
+    "POPC",
+    "BREV",
+    "IABS",
+    "ISCADD",
+    "PLOP3",
+    "P2R",
+    "R2P",
+    "FSEL",
+    "FSETP",
+    "FMNMX",
+    "BMSK",
+    "SGXT",
+    "LOP",
+    "IADD",
+    "SHL",
+    "SHR",
+    "CSET",
+    "CSETP",
+    "ICMP",
+    "VABSDIFF",
+    "VABSDIFF4",
 }
 FMA = {"IMAD", "IMUL", "FFMA", "FADD", "FMUL", "IDP", "IMADSP", "HFMA2", "HADD2", "HMUL2"}
 FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX"}
@@ -108,7 +139,7 @@ FINGERPRINT_GOAL = 0.45
 
 
 def find_tool(name: str) -> str:
-    """A CUDA tool: the toolkit's (CUDA_HOME, CUDACXX, PATH, /usr/local/cuda), else a pip package's."""
+    """A CUDA tool: the toolkit's (CUDA_HOME, CUDACXX, PATH, /usr/local/cuda), else pip's."""
     candidates = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
@@ -132,7 +163,9 @@ def find_tool(name: str) -> str:
             candidates.append(Path(m.group(1)) / "bin" / name)
     # pip: nvidia-cuda-nvdisasm / nvidia-cuda-cuobjdump put their binaries under nvidia/cu13/bin.
     site = Path(sysconfig.get_paths()["purelib"])
-    candidates += sorted(site.glob(f"nvidia/*/bin/{name}")) + sorted(site.glob(f"nvidia/*/*/bin/{name}"))
+    candidates += sorted(site.glob(f"nvidia/*/bin/{name}")) + sorted(
+        site.glob(f"nvidia/*/*/bin/{name}")
+    )
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
@@ -149,12 +182,25 @@ def torch_includes() -> list[str]:
     return list(ext.include_paths())
 
 
-def compile_cubin(out: Path, arch: str, src: Path = ROOT / "csrc", extra: list[str] | None = None) -> str:
+def compile_cubin(
+    out: Path, arch: str, src: Path = ROOT / "csrc", extra: list[str] | None = None
+) -> str:
     """Compiles compare_kernels.cu to a cubin; returns ptxas's -v report."""
     nvcc = find_tool("nvcc")
     cmd = [
-        nvcc, "-std=c++20", "-O3", "-DNDEBUG", f"-arch=sm_{arch}", "-cubin", "-lineinfo",
-        "-Xptxas", "-v", f"-I{src}", *(extra or []), "-o", str(out),
+        nvcc,
+        "-std=c++20",
+        "-O3",
+        "-DNDEBUG",
+        f"-arch=sm_{arch}",
+        "-cubin",
+        "-lineinfo",
+        "-Xptxas",
+        "-v",
+        f"-I{src}",
+        *(extra or []),
+        "-o",
+        str(out),
         str(src / "cuda" / "compare_kernels.cu"),
     ]
     for inc in torch_includes():
@@ -187,7 +233,9 @@ def parse_ptxas(log: str) -> dict[str, Resources]:
         if current is None:
             continue
         r = out[current]
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        m = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        )
         if m:
             r.stack, r.spill_stores, r.spill_loads = map(int, m.groups())
         m = re.search(r"Used (\d+) registers", line)
@@ -368,8 +416,14 @@ def natural_loops(blocks: dict[int, Block]) -> list[Loop]:
     return [Loop(h, body) for h, body in loops.items()]
 
 
-def shortest(blocks: dict[int, Block], allowed: set[int], src: int, dst: int,
-             cost: dict[int, int], first_free: bool = False) -> float:
+def shortest(
+    blocks: dict[int, Block],
+    allowed: set[int],
+    src: int,
+    dst: int,
+    cost: dict[int, int],
+    first_free: bool = False,
+) -> float:
     """Fewest instructions on a path src -> ... -> dst within `allowed` (src's cost included
     unless first_free; dst's cost included), moving along successor edges; dst may equal src
     only through at least one edge."""
@@ -475,8 +529,11 @@ def bit_equal_path(f: Function, elem_size: int) -> PathCount | None:
     loading = [
         lp
         for lp in loops
-        if any(x.op.startswith("LDG.E.128") and set(x.lines) & round_loads
-               for s in lp.body for x in blocks[s].instrs)
+        if any(
+            x.op.startswith("LDG.E.128") and set(x.lines) & round_loads
+            for s in lp.body
+            for x in blocks[s].instrs
+        )
     ]
     if not loading:
         return None
@@ -511,9 +568,11 @@ def bit_equal_path(f: Function, elem_size: int) -> PathCount | None:
         for s in inner.body:
             c2[s] = 0
         allowed = outer.body - excluded
-        return shortest(blocks, allowed, outer.header, inner.header, c2) + shortest(
-            blocks, allowed, inner.header, outer.header, c2, first_free=True
-        ) - (c2[outer.header] if outer.header == inner.header else 0)
+        return (
+            shortest(blocks, allowed, outer.header, inner.header, c2)
+            + shortest(blocks, allowed, inner.header, outer.header, c2, first_free=True)
+            - (c2[outer.header] if outer.header == inner.header else 0)
+        )
 
     outside = 0.0
     inner = main
@@ -527,7 +586,9 @@ def bit_equal_path(f: Function, elem_size: int) -> PathCount | None:
     return PathCount(per_element, int(cycle), outside, {p: n / per_iter for p, n in pipes.items()})
 
 
-def cycle_blocks(blocks: dict[int, Block], allowed: set[int], header: int, cost: dict[int, int]) -> list[int]:
+def cycle_blocks(
+    blocks: dict[int, Block], allowed: set[int], header: int, cost: dict[int, int]
+) -> list[int]:
     inf = float("inf")
     dist: dict[int, float] = {}
     prev: dict[int, int] = {}
@@ -601,7 +662,9 @@ def warps_per_sm(r: Resources, threads: int = THREADS) -> int:
     return blocks * threads // 32
 
 
-def roofline(per_element: float, pipes: dict[str, float], bytes_per_element: int) -> tuple[float, float]:
+def roofline(
+    per_element: float, pipes: dict[str, float], bytes_per_element: int
+) -> tuple[float, float]:
     """(issue-bound fraction of read bandwidth, pipe-bound fraction), both capped at 1."""
     bw_rate = READ_BYTES_PER_S / bytes_per_element
     issue_rate = ISSUE_PER_S / per_element
@@ -694,7 +757,8 @@ def print_report(rows: list[dict]) -> None:
         print(
             f"{dtype:14s} {r['mode']:18s} {r['per_element']:10.2f} {r['main_loop']:5d} "
             f"{p.get('alu', 0):5.2f} {p.get('fma', 0):5.2f} {p.get('fp64', 0):5.2f} "
-            f"{p.get('xu', 0):5.2f} {100 * r['roofline_issue']:15.0f}% {100 * r['roofline_pipes']:7.0f}%"
+            f"{p.get('xu', 0):5.2f} {100 * r['roofline_issue']:15.0f}% "
+            f"{100 * r['roofline_pipes']:7.0f}%"
         )
 
 
@@ -711,20 +775,24 @@ def check(rows: list[dict]) -> list[str]:
         if r is None:
             problems.append(f"no {mode} kernel for {dtype} found")
         elif r["per_element"] > limit:
-            problems.append(f"{mode} {dtype}: {r['per_element']:.1f} instructions per element > {limit}")
+            problems.append(
+                f"{mode} {dtype}: {r['per_element']:.1f} instructions per element > {limit}"
+            )
     fp = by.get(("fingerprint", "int16"))
     if fp is None:
         problems.append("no 2-byte fingerprint kernel found")
     elif fp["roofline_issue"] < FINGERPRINT_GOAL:
         problems.append(
-            f"2-byte fingerprint: {100 * fp['roofline_issue']:.0f}% of read bandwidth by issue rate "
+            f"2-byte fingerprint: {100 * fp['roofline_issue']:.0f}% of read bandwidth by issue "
+            "rate "
             f"< {100 * FINGERPRINT_GOAL:.0f}%"
         )
     return problems
 
 
-def longest_cycle_blocks(blocks: dict[int, Block], allowed: set[int], header: int,
-                         cost: dict[int, int]) -> list[int]:
+def longest_cycle_blocks(
+    blocks: dict[int, Block], allowed: set[int], header: int, cost: dict[int, int]
+) -> list[int]:
     """The blocks of the longest path header -> ... -> header within `allowed` (acyclic once the
     edges back to the header are cut; inner loops, if any, are not followed around)."""
     order: list[int] = []
@@ -759,7 +827,9 @@ def longest_cycle_blocks(blocks: dict[int, Block], allowed: set[int], header: in
     return out
 
 
-def longest_cycle(blocks: dict[int, Block], allowed: set[int], header: int, cost: dict[int, int]) -> float:
+def longest_cycle(
+    blocks: dict[int, Block], allowed: set[int], header: int, cost: dict[int, int]
+) -> float:
     return float(sum(cost[s] for s in longest_cycle_blocks(blocks, allowed, header, cost)))
 
 
@@ -772,7 +842,12 @@ def chunk_kernel_path(f: Function, elem_size: int, elementwise: Path) -> PathCou
     loops = natural_loops(blocks)
 
     def count(loop: Loop) -> int:
-        return sum(1 for s in loop.body for x in blocks[s].instrs if ".128" in x.op and x.op.startswith("LD"))
+        return sum(
+            1
+            for s in loop.body
+            for x in blocks[s].instrs
+            if ".128" in x.op and x.op.startswith("LD")
+        )
 
     loading = [lp for lp in loops if count(lp) > 0]
     if not loading:
@@ -782,11 +857,19 @@ def chunk_kernel_path(f: Function, elem_size: int, elementwise: Path) -> PathCou
     cost = {s: weight(b) for s, b in blocks.items()}
     # Off the bit-equal path: the pair of different bits, the statistics, a new maximum.
     off = set()
-    for sig in (r"void accumulate_pair\(", r"ElementResult compare_values\(",
-                r"void accumulate_stats\(", r"Value decode\(", r"double minifloat_to_f64\("):
+    for sig in (
+        r"void accumulate_pair\(",
+        r"ElementResult compare_values\(",
+        r"void accumulate_stats\(",
+        r"Value decode\(",
+        r"double minifloat_to_f64\(",
+    ):
         off |= function_lines(sig, elementwise)
-    off |= {i + 1 for i, line in enumerate(elementwise.read_text().splitlines())
-            if re.fullmatch(r"\s+(v = cv;|idx = cidx;)", line)}
+    off |= {
+        i + 1
+        for i, line in enumerate(elementwise.read_text().splitlines())
+        if re.fullmatch(r"\s+(v = cv;|idx = cidx;)", line)
+    }
     allowed = {s for s in main.body if not any(set(x.ew_lines) & off for x in blocks[s].instrs)}
     cycle = longest_cycle(blocks, allowed, main.header, cost)
     c2 = dict(cost)
@@ -827,9 +910,13 @@ def analyse_before(rev: str, arch: str) -> list[dict]:
         anchor = "FSDPCHECK_HD auto visit_dtype(DType d, F&& f) {\n"
         if anchor not in text:
             raise SystemExit(f"sass_report: {rev}'s visit_dtype is not the one --before knows")
-        ew.write_text(text.replace(
-            anchor, anchor + "#ifdef FSDPCHECK_SASS_DTYPE\n  d = static_cast<DType>(FSDPCHECK_SASS_DTYPE);\n#endif\n"
-        ))
+        ew.write_text(
+            text.replace(
+                anchor,
+                anchor + "#ifdef FSDPCHECK_SASS_DTYPE\n"
+                "  d = static_cast<DType>(FSDPCHECK_SASS_DTYPE);\n#endif\n",
+            )
+        )
         codes = {name: code for code, (name, _) in DTYPE_CODES.items()}
         for dtype in REPORTED:
             cubin = Path(tmp) / f"{dtype}.cubin"
@@ -846,15 +933,25 @@ def analyse_before(rev: str, arch: str) -> list[dict]:
                 read = size * (1 if mode == "fingerprint" else 2)
                 issue, pipe = roofline(path.per_element, path.pipes, read)
                 r = resources.get(mangled, Resources())
-                rows.append(dict(
-                    kernel=f"{name} ({dtype})", dtype=dtype, mode=mode, registers=r.registers,
-                    stack=r.stack, spill_stores=r.spill_stores, spill_loads=r.spill_loads,
-                    smem=r.smem, warps_per_sm=warps_per_sm(r),
-                    per_element=round(path.per_element, 2), main_loop=path.main_loop,
-                    per_chunk_outside=path.per_chunk_outside,
-                    pipes={p: round(v, 2) for p, v in sorted(path.pipes.items())},
-                    roofline_issue=round(issue, 3), roofline_pipes=round(pipe, 3),
-                ))
+                rows.append(
+                    dict(
+                        kernel=f"{name} ({dtype})",
+                        dtype=dtype,
+                        mode=mode,
+                        registers=r.registers,
+                        stack=r.stack,
+                        spill_stores=r.spill_stores,
+                        spill_loads=r.spill_loads,
+                        smem=r.smem,
+                        warps_per_sm=warps_per_sm(r),
+                        per_element=round(path.per_element, 2),
+                        main_loop=path.main_loop,
+                        per_chunk_outside=path.per_chunk_outside,
+                        pipes={p: round(v, 2) for p, v in sorted(path.pipes.items())},
+                        roofline_issue=round(issue, 3),
+                        roofline_pipes=round(pipe, 3),
+                    )
+                )
     return rows
 
 
@@ -871,11 +968,18 @@ def main() -> int:
     args = ap.parse_args()
     if args.before:
         before = analyse_before(args.before, args.arch)
-        print(f"# {args.before}: the chunk kernel (one block per chunk, every dtype in one kernel), bit-equal path, statistics off")
-        print(f"{'kernel':40s} {'regs':>4s} {'spill':>9s} {'warps/SM':>8s} {'instr/elem':>10s} {'loop':>5s} {'roofline (issue)':>16s} {'(pipes)':>8s}")
+        print(
+            f"# {args.before}: the chunk kernel (one block per chunk, every dtype in one "
+            "kernel), bit-equal path, statistics off"
+        )
+        print(
+            f"{'kernel':40s} {'regs':>4s} {'spill':>9s} {'warps/SM':>8s} {'instr/elem':>10s} "
+            f"{'loop':>5s} {'roofline (issue)':>16s} {'(pipes)':>8s}"
+        )
         for r in before:
             print(
-                f"{r['kernel']:40s} {r['registers']:4d} {r['spill_stores']:4d}/{r['spill_loads']:<4d} "
+                f"{r['kernel']:40s} {r['registers']:4d} "
+                f"{r['spill_stores']:4d}/{r['spill_loads']:<4d} "
                 f"{r['warps_per_sm']:8d} {r['per_element']:10.2f} {r['main_loop']:5d} "
                 f"{100 * r['roofline_issue']:15.0f}% {100 * r['roofline_pipes']:7.0f}%"
             )

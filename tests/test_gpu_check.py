@@ -25,7 +25,11 @@ def test_gpu_check_dry_run_fits_its_budget_and_file_count():
     assert "dry-run: ok" in out
     steps = [line.split()[1] for line in out.splitlines() if line.startswith("plan: ")]
     assert steps == ["build", "tests", "bench", "verify"]
-    limits = [int(line.split("(<= ")[1].split(" s)")[0]) for line in out.splitlines() if line.startswith("plan: ")]
+    limits = [
+        int(line.split("(<= ")[1].split(" s)")[0])
+        for line in out.splitlines()
+        if line.startswith("plan: ")
+    ]
     assert sum(limits) <= 480
     assert "result files (at most 8)" in out
     # No -Werror and no `-x` on the GPU machine: a warning or a failing test must not stop the
