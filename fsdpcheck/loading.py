@@ -420,9 +420,7 @@ def _load_dcp(
         part = parts[i]
         # The metadata parsed when opening (not read again), checked as it was then.
         reader = part.dcp_reader() if isinstance(part, DCPSource) else SafeFileSystemReader(where)
-        reader.agree = lambda check, where=where: agree(
-            comm, check, f"checking {where} before writing into the model"
-        )
+        reader.agree = lambda check: agree(comm, check, "the check before writing into the model")
         if i == 0:
             reader.before_writing = (
                 None if before_writing is None else lambda: agree(comm, before_writing, "sentinel")
@@ -442,7 +440,7 @@ def _load_dcp(
             if lost is not None:
                 raise lost from None
             raise CheckpointError(
-                f"loading {where} failed: {_first_failure(exc)}; {_what_was_written(exc, loaded)}"
+                f"loading {where} failed: {_first_failure(exc)}; {_what_was_written(exc, loaded, comm.world)}"
             ) from None
         keys = sorted(_flat_keys(state))
         loaded.append(f"{where.name} ({len(keys)} keys: {_few_keys(keys)})")
@@ -466,13 +464,15 @@ def _set_hparams(w: _Work) -> None:
                 groups[g.index][name] = saved[entry.key]
 
 
-def _what_was_written(exc: BaseException, loaded: list[str]) -> str:
+def _what_was_written(exc: BaseException, loaded: list[str], world: int) -> str:
     """What a failed DCP load left in the model, in words the same on every rank."""
     from fsdpcheck.sources.safe_reader import PartlyWrittenError
 
     _, cause = root_cause(exc)
     if isinstance(cause, PartlyWrittenError):  # its message names what that rank wrote
-        said = "the ranks that did not fail wrote all of theirs: the model is partly overwritten"
+        said = "the model is partly overwritten"
+        if world > 1:
+            said = f"the ranks that did not fail wrote all of theirs: {said}"
     elif not loaded:
         return "nothing was written into the model (it is as it was)"
     else:
@@ -498,7 +498,11 @@ def _few_keys(keys: list[str]) -> str:
 
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
+    from fsdpcheck.sources.safe_reader import NothingWrittenError
+
     rank, cause = root_cause(exc)
+    if isinstance(cause, NothingWrittenError):  # agreed by every rank: it names the rank
+        return describe_error(cause)
     return (f"on rank {rank}: " if rank is not None else "") + describe_error(cause)
 
 

@@ -135,9 +135,14 @@ def test_errors_are_one_line_with_exit_2(capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1 and "does not exist" in err
     # Bad usage: exit 2 and one line naming the command, the problem and where the usage is.
     code, out, err = run(capsys, "compare", "onlyone")
-    assert code == 2 and out == "" and err == (
-        "fsdpcheck compare: error: the following arguments are required: expected "
-        "(fsdpcheck compare --help shows the usage)\n"
+    assert (
+        code == 2
+        and out == ""
+        and err
+        == (
+            "fsdpcheck compare: error: the following arguments are required: expected "
+            "(fsdpcheck compare --help shows the usage)\n"
+        )
     )
     for budget in ("lots", "0", "-1", "infG", "nan"):
         code, _, err = run(capsys, "fingerprint", "x", "--memory-budget", budget)

@@ -914,7 +914,7 @@ def check(index: DcpIndex) -> StorageProblems:
     # entries by file first, then chunks whose data is shorter than they declare.
     final = [(index.names[int(index.entry_names[e])], why) for e, why in entry_bad.items()]
     final += declared
-    seen: set[tuple[str, str]] = set()
+    seen = {(key, why) for key, kind, why in problems if kind == "error"}  # listed already
     for key, why in final:
         if (key, why) not in seen:
             seen.add((key, why))

@@ -581,7 +581,7 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
             else:
                 overlapping.add(key)
                 problems.append((key, "layout", p))
-    seen = set()
+    seen = {(key, why) for key, kind, why in problems if kind == "error"}  # listed already
     for (fqn, _), why in bad.items():
         if (fqn, why) not in seen:
             seen.add((fqn, why))

@@ -42,6 +42,7 @@ from fsdpcheck.sources.dcp_metadata import (
 from fsdpcheck.sources.rawio import locate_chunk, located
 
 __all__ = [
+    "NothingWrittenError",
     "PartlyWrittenError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
@@ -239,10 +240,15 @@ class SafeFileSystemReader(FileSystemReader):
                         if got is not None:
                             values[id(req)] = got
 
-        if self.agree is not None:
-            self.agree(check)
-        else:
-            check()
+        try:
+            if self.agree is not None:
+                self.agree(check)
+            else:
+                check()
+        except Exception as exc:  # the same on every rank of the load (`agree`)
+            raise NothingWrittenError(
+                str(exc) if isinstance(exc, CheckpointError) else describe_error(exc)
+            ) from None
         if self.before_writing is not None:
             self.before_writing()
         tensors = sum(1 for r in plan.items if r.type != LoadItemType.BYTE_IO)
@@ -387,6 +393,10 @@ class SafeFileSystemReader(FileSystemReader):
         target.copy_(src)
         planner.commit_tensor(req, target)
         self.written.append(req.dest_index.fqn)
+
+
+class NothingWrittenError(CheckpointError):
+    """A load refused before it wrote anything (on any rank, when the check was agreed)."""
 
 
 class PartlyWrittenError(CheckpointError):
