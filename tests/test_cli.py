@@ -283,3 +283,46 @@ def test_compare_refuses_meta_tensors(ckpts, capsys):
         capsys, "compare", str(ckpts / "good.safetensors"), str(ckpts / "ck"), "--device", "meta"
     )
     assert code == 2 and "meta tensors hold no values" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "error"),
+    [
+        (
+            KeyboardInterrupt(),
+            130,
+            "interrupted by SIGINT before the check finished; nothing was concluded",
+        ),
+        (
+            OSError(5, "Input/output error", "ck/__0_0.distcp"),
+            2,
+            "ck/__0_0.distcp: Input/output error",
+        ),
+    ],
+)
+def test_inspect_json_stopped_half_way_is_still_one_document(
+    ckpts, capsys, monkeypatch, stop, code, error
+):
+    """inspect --json writes its tensors as they come: what stops it ends the document."""
+    import contextlib
+
+    from fsdpcheck import inspection
+
+    real = inspection.inspecting
+
+    @contextlib.contextmanager
+    def stopping(path):
+        with real(path) as (info, tensors, count):
+
+            def first_then_stop():
+                yield next(iter(tensors()))
+                raise stop
+
+            yield info, first_then_stop, count
+
+    monkeypatch.setattr(inspection, "inspecting", stopping)
+    got, out, err = run(capsys, "inspect", str(ckpts / "ck"), "--json")
+    doc = json.loads(out)
+    assert got == code and doc["exit_code"] == code and doc["ok"] is False
+    assert doc["error"] == error and len(doc["tensors"]) == 1 and doc["path"] == str(ckpts / "ck")
+    assert err == f"fsdpcheck inspect: {error}\n"

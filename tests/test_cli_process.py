@@ -142,7 +142,12 @@ _JSON_CASES: dict[str, tuple[list[str], int, str]] = {
         "argument --memory-budget: not a positive size: 'lots' (e.g. 1G, 512M) (fsdpcheck "
         "fingerprint --help shows the usage)",
     ),
-    "unreadable input": (["inspect", "--json", "nope"], 2, "checkpoint nope does not exist"),
+    "unreadable input": (
+        ["inspect", "--json", "nope"],
+        2,
+        "checkpoint nope does not exist (looked for {cwd}/nope; give the path of a checkpoint "
+        "directory or file)",
+    ),
     "a demo that cannot run": (
         ["demo", "--json", "--ranks", "1"],
         2,
@@ -154,6 +159,7 @@ _JSON_CASES: dict[str, tuple[list[str], int, str]] = {
 @pytest.mark.parametrize("case", sorted(_JSON_CASES))
 def test_json_errors_are_one_document(files: Path, case: str) -> None:
     argv, code, error = _JSON_CASES[case]
+    error = error.replace("{cwd}", str(files))
     out = fsdpcheck(*argv, cwd=files)
     assert out.returncode == code, out
     assert json.loads(out.stdout) == {"ok": False, "error": error, "exit_code": code}
