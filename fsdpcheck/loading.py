@@ -439,8 +439,9 @@ def _load_dcp(
             lost = comm.lost_rank(exc, f"load (DCP reading {where})")
             if lost is not None:
                 raise lost from None
+            left = _what_was_written(exc, loaded, comm.world)
             raise CheckpointError(
-                f"loading {where} failed: {_first_failure(exc)}; {_what_was_written(exc, loaded, comm.world)}"
+                f"loading {where} failed: {_first_failure(exc)}; {left}"
             ) from None
         keys = sorted(_flat_keys(state))
         loaded.append(f"{where.name} ({len(keys)} keys: {_few_keys(keys)})")
