@@ -659,7 +659,7 @@ def _inspect(args: argparse.Namespace) -> int:
         # Problems (a file missing, a tensor past its file's end) are findings: exit 1, as audit.
         code = EXIT_FINDINGS if info["problems"] else EXIT_OK
         if args.json:
-            _stream_inspect(info, tensors, count, code)
+            _stream_inspect(info, tensors, count)
             return code
         out = [f"{args.path}: {info['format']}", f"layout: {info['layout']} ({info['kind']})"]
         m = info["manifest"]
@@ -708,7 +708,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _stream_inspect(
-    info: dict[str, Any], tensors: Callable[[], Iterator[dict[str, Any]]], count: int, code: int
+    info: dict[str, Any], tensors: Callable[[], Iterator[dict[str, Any]]], count: int
 ) -> None:
     """`inspect --json`: the summary, its tensors written as they are made, one document.
 
@@ -718,7 +718,6 @@ def _stream_inspect(
     out = _state.out
     if sys.stdout is not out:
         return  # not the process that prints
-    info = {**info, "ok": code == EXIT_OK}  # last: an error can still replace it (below)
     head, tail = json.dumps(info, indent=1).split(json.dumps(info["tensors"]))
     written = [0]
 
