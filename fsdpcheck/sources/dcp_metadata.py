@@ -484,6 +484,7 @@ def chunk_finding(
     shape: tuple[int, ...],
     itemsize: int,
     stored: int | None,
+    transformed: bool = False,
 ) -> tuple[tuple[str, str] | None, bool]:
     """What is wrong with one saved chunk ((kind, message) or None) and whether it tiles.
 
@@ -493,6 +494,9 @@ def chunk_finding(
         shape: Its tensor's global shape.
         itemsize: Bytes per element.
         stored: Bytes of its storage entry (None: it has none).
+        transformed: Its entry has a storage transform: the stored bytes are encoded (e.g.
+            compressed), so their count says nothing of the elements (NOTE: [transformed
+            entries] in ``dcp_index``).
 
     Returns:
         The finding (kind "layout", "missing" or "error"), and whether the chunk takes part in
@@ -506,7 +510,7 @@ def chunk_finding(
     live = n > 0 or not shape
     if stored is None:
         return (("missing", no_entry(off)) if live else None), live
-    if n * itemsize > stored:
+    if not transformed and n * itemsize > stored:
         return ("error", short_data(off, n, itemsize, stored)), live
     return None, live
 
@@ -566,8 +570,9 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
         for c in meta.chunks:
             off, size = tuple(c.offsets), tuple(c.sizes)
             info = storage.get((key, off))
-            found, live = chunk_finding(off, size, shape, itemsize,
-                                        None if info is None else info.length)  # fmt: skip
+            stored = None if info is None else info.length
+            coded = bool(info is not None and info.transform_descriptors)
+            found, live = chunk_finding(off, size, shape, itemsize, stored, coded)
             if live:
                 boxes.append((off, size))
             if found is not None:
