@@ -27,7 +27,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         checkpoint's key, its canonical ``name``, ``role``, shape, dtype, chunks, coverage),
         counts (``model_tensors``, ``optimizer_params``, ``optimizer_tensors``,
         ``param_groups``), ``other`` (training-state entries: lr_scheduler, dataloader, ...),
-        ``problems`` (storage problems), ``notes`` and ``manifest`` (None without one).
+        ``problems`` (storage problems), ``notes``, ``manifest`` (None without one) and
+        ``ok`` (no problem).
     """
     with inspecting(path) as (info, tensors, _):
         info["tensors"] = list(tensors())
@@ -113,6 +114,7 @@ def inspecting(
                 "fsdpcheck": manifest.fsdpcheck,
                 "entries": len(manifest.entries),
             },
+            "ok": not problems,  # last: a document stopped half way ends with it (the CLI)
         }
         yield summary, tensors, len(rows)
     finally:

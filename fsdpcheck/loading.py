@@ -9,6 +9,7 @@ against the manifest in one pass.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -163,17 +164,26 @@ def _load(
             f"expected a {expect} checkpoint but {path} is {info.description}, a {info.kind} "
             f"checkpoint; nothing was loaded. {hint}"
         )
-    marked = agree(comm, lambda: fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
     work = agree(
         comm,
         lambda: _pair(model, optimizer, info, source, key_map),
         f"pairing {path} with the model",
     )
+    # Sentinels go in once everything that can fail before the first write has passed
+    # (NOTE: [check before writing] in sources/safe_reader): a refused load leaves the model
+    # as it was, not full of sentinels.
+    marked: list[Any] = []
+
+    def fill() -> None:
+        marked.extend(fill_sentinel(model, optimizer))
+
     if info.kind == "sharded":
-        _load_dcp(work, group, comm)
+        _load_dcp(work, group, comm, fill if sentinel else None)
     else:
         # Reading is local and may fail on one rank: agree on it before torch's collectives.
         full, osd = agree(comm, lambda: _read_full(work), f"reading {path}")
+        if sentinel:
+            agree(comm, fill, "sentinel")
         _apply_full(work, full, osd)
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
     paired_notes, paired_findings, rows = _pairing_everywhere(comm, work.match)
@@ -246,7 +256,7 @@ def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
             f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
             f"({', '.join(p.name for p in info.parts)}); fsdpcheck cannot load it as one"
         )
-    refuse_problems(source, info.path, "load it (nothing was loaded)")
+    refuse_problems(source, info.path, "load it: nothing was loaded")
     if manifest is not None:
         _manifest_agrees(manifest, source, info.path)
     return _Plan(info, manifest)
@@ -369,13 +379,21 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
 
 
-def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
+def _load_dcp(
+    w: _Work, group: Any, comm: Comm, before_writing: Callable[[], None] | None = None
+) -> None:
     """DCP loads into the live tensors in place, each into its paired checkpoint entry.
 
     The state dict handed to DCP is built from the pairs: each live tensor (a model tensor from
     ``get_model_state_dict``, an optimizer state tensor from ``get_optimizer_state_dict``) at
     its checkpoint entry's own path, so the checkpoint's nesting and spelling (``model.``,
     ``optimizer.state.<fqn>.<name>``, ``_forward_module.``, integer ids) never matter.
+
+    Every rank checks everything it will read before any rank writes a byte (NOTE: [check
+    before writing] in ``sources/safe_reader``): a load refused there leaves the model as it
+    was. A checkpoint of several parts is checked part by part, so a later part refused leaves
+    the earlier ones loaded, and the error names them; a failure while writing names the keys
+    that were written.
     """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
@@ -395,12 +413,18 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
         if item.key in tied:
             continue  # the same tensor as the parameter it is tied to
         _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
+    loaded: list[str] = []  # the parts loaded whole, and their keys
     for i, (where, state) in enumerate(zip(w.info.parts, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
         # from a part still takes part in its collectives).
         part = parts[i]
         # The metadata parsed when opening (not read again), checked as it was then.
         reader = part.dcp_reader() if isinstance(part, DCPSource) else SafeFileSystemReader(where)
+        reader.agree = lambda check: agree(comm, check, "the check before writing into the model")
+        if i == 0:
+            reader.before_writing = (
+                None if before_writing is None else lambda: agree(comm, before_writing, "sentinel")
+            )
         try:
             dcp_load(
                 state,
@@ -415,7 +439,12 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
             lost = comm.lost_rank(exc, f"load (DCP reading {where})")
             if lost is not None:
                 raise lost from None
-            raise CheckpointError(f"loading {where} failed: {_first_failure(exc)}") from None
+            left = _what_was_written(exc, loaded, comm.world)
+            raise CheckpointError(
+                f"loading {where} failed: {_first_failure(exc)}; {left}"
+            ) from None
+        keys = sorted(_flat_keys(state))
+        loaded.append(f"{where.name} ({len(keys)} keys: {_few_keys(keys)})")
     for part, msd in zip(w.parts, w.msds):
         set_model_state_dict(part, msd)
     if w.osd is not None:
@@ -436,9 +465,45 @@ def _set_hparams(w: _Work) -> None:
                 groups[g.index][name] = saved[entry.key]
 
 
+def _what_was_written(exc: BaseException, loaded: list[str], world: int) -> str:
+    """What a failed DCP load left in the model, in words the same on every rank."""
+    from fsdpcheck.sources.safe_reader import PartlyWrittenError
+
+    _, cause = root_cause(exc)
+    if isinstance(cause, PartlyWrittenError):  # its message names what that rank wrote
+        said = "the model is partly overwritten"
+        if world > 1:
+            said = f"the ranks that did not fail wrote all of theirs: {said}"
+    elif not loaded:
+        return "nothing was written into the model (it is as it was)"
+    else:
+        said = "nothing of it was written into the model"
+    if loaded:
+        said += f"; loaded before it (so the model is partly overwritten): {'; '.join(loaded)}"
+    return said + "; load again once the checkpoint is repaired"
+
+
+def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out += _flat_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _few_keys(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
+    from fsdpcheck.sources.safe_reader import NothingWrittenError
+
     rank, cause = root_cause(exc)
+    if isinstance(cause, NothingWrittenError):  # agreed by every rank: it names the rank
+        return describe_error(cause)
     return (f"on rank {rank}: " if rank is not None else "") + describe_error(cause)
 
 

@@ -77,7 +77,11 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {p} does not exist") from None
+        where = "" if p.is_absolute() else f"looked for {p.absolute()}; "
+        raise FileNotFoundError(
+            f"checkpoint {p} does not exist ({where}give the path of a checkpoint directory or "
+            "file)"
+        ) from None
     except PermissionError:
         raise PermissionError(
             f"checkpoint {p}: permission denied (a folder on its path may not be searched)"
@@ -103,7 +107,10 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
         info.path = p
         return info
     if not probe.names:
-        raise ValueError(f"{p} is an empty directory, not a checkpoint")
+        raise ValueError(
+            f"{p} is an empty directory, not a checkpoint (was the save finished, or is the path "
+            "one level off?)"
+        )
     raise ValueError(
         f"{p} holds no checkpoint fsdpcheck recognises: no DCP .metadata, no safetensors, and "
         f"{len(saved)} torch.save files (pass one file, or a DCP directory)"

@@ -135,10 +135,13 @@ def refuse_problems(source: Source, where: object, action: str) -> None:
     Args:
         source: The opened checkpoint.
         where: What to name in the message (a path, or the source's description).
-        action: What is refused, e.g. "load it (nothing was loaded)".
+        action: What is refused, e.g. "load it: nothing was loaded".
     """
-    problems = source.problems()
+    problems = list(dict.fromkeys(source.problems()))  # a problem may be listed twice
     if problems:
         key, kind, message = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{where}: {kind} in {key}: {message}{more}; refusing to {action}")
+        raise CheckpointError(
+            f"{where}: {kind} in {key}: {message}{more}; refusing to {action} (fsdpcheck audit "
+            "lists every problem)"
+        )

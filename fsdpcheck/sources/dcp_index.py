@@ -770,6 +770,22 @@ class StorageProblems:
         return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
 
 
+def _more_than(sizes: torch.Tensor, mask: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Per row: the product of its sizes (where `mask`; >= 1 each) exceeds `cap` (>= 0).
+
+    ``prod(s) <= cap`` exactly when each size is at most the cap divided (floor) by the sizes
+    before it; the product itself, up to 2**(63 * D), is never formed (NOTE: [claimed sizes]).
+    The empty product (a 0-d chunk) is 1.
+    """
+    rem = cap.clone()
+    over = cap < 1
+    for d in range(sizes.shape[1]):
+        s = torch.where(mask[:, d], sizes[:, d], 1).clamp(min=1)
+        over |= s > rem
+        rem = rem // s
+    return over
+
+
 def check(index: DcpIndex) -> StorageProblems:
     """Every structural problem ``check_storage`` finds, over columns (one stat per file)."""
     out = StorageProblems()
@@ -777,7 +793,10 @@ def check(index: DcpIndex) -> StorageProblems:
     n_entries = index.entry_where.shape[0]
     entry_bad: dict[int, str] = {}
     if n_entries:
-        ends = index.entry_where.sum(1)
+        # NOTE: [claimed sizes] Offsets, lengths and sizes are the file's claims (up to
+        # 2**63 - 1 each): sums and products of them are never formed in int64 (they wrap), they
+        # are compared by subtraction and division of values known to be >= 0.
+        e_off, e_len = index.entry_where[:, 0], index.entry_where[:, 1]
         nfiles = len(index.files)
         sizes = torch.zeros(nfiles, dtype=torch.int64)
         unreadable = torch.zeros(nfiles, dtype=torch.bool)
@@ -790,11 +809,12 @@ def check(index: DcpIndex) -> StorageProblems:
                 unreadable[f] = True
             sizes[f] = size
         ef = index.entry_file.long()
-        past = (ends > sizes[ef]) & ~unreadable[ef]
+        size_e = sizes[ef]
+        past = ((e_off > size_e) | (e_len > size_e - e_off)) & ~unreadable[ef]
         for e in (unreadable[ef] | past).nonzero().flatten().tolist():
             f = int(index.entry_file[e])
             entry_bad[e] = whys.get(f) or past_the_end(
-                "its data", int(ends[e]), index.files[f], int(sizes[f])
+                "its data", int(e_off[e]) + int(e_len[e]), index.files[f], int(sizes[f])
             )
     D = index.coords.shape[1] // 2
     shapes = index.shapes
@@ -820,14 +840,18 @@ def check(index: DcpIndex) -> StorageProblems:
             ck = c_key[lo:hi].long()
             off, sz = index.coords[lo:hi, :D], index.coords[lo:hi, D:]
             g, m = shape_pad[ck], mask_pad[ck]
-            out_here = (((off < 0) | (sz < 0) | (off + sz > g)) & m).any(1)
-            numel = torch.where(m, sz, 1).prod(1)
+            out_here = (((off < 0) | (sz < 0) | (sz > g - off)) & m).any(1)
             ent = index.entry[lo:hi].long()
             has = ent >= 0
             stored = torch.where(has, index.entry_where[ent.clamp(min=0), 1], 0)
-            live_here = (numel > 0) | ~m.any(1)
+            live_here = ((sz > 0) | ~m).all(1)  # no element: not live (a 0-d chunk is)
             missing = ~out_here & ~has & live_here
-            short = ~out_here & has & (numel * itemsizes[ck] > stored)
+            cap = stored // itemsizes[ck].clamp(min=1)  # elements the entry can hold
+            # NOTE: [transformed entries] An entry with a storage transform (DCP's zstd
+            # extension) stores fewer bytes than its elements need: its size is checked when it
+            # is decoded (bounded by what the chunk declares), not here.
+            plain = torch.where(has, index.entry_transform[ent.clamp(min=0)] < 0, True)
+            short = ~out_here & has & live_here & plain & _more_than(sz, m, cap)
             outside[lo:hi] = out_here
             live[lo:hi] = live_here
             flag[lo:hi] = out_here | missing | short
@@ -894,7 +918,7 @@ def check(index: DcpIndex) -> StorageProblems:
     # entries by file first, then chunks whose data is shorter than they declare.
     final = [(index.names[int(index.entry_names[e])], why) for e, why in entry_bad.items()]
     final += declared
-    seen: set[tuple[str, str]] = set()
+    seen = {(key, why) for key, kind, why in problems if kind == "error"}  # listed already
     for key, why in final:
         if (key, why) not in seen:
             seen.add((key, why))
@@ -924,7 +948,9 @@ def _check_odd(
     itemsize = dtype.itemsize if dtype is not None else 0
     for i, ((o, s), e) in enumerate(zip(boxes, entries)):
         stored = int(index.entry_where[e, 1]) if e >= 0 else None
-        found, live = chunk_finding(o, s, shape, itemsize, stored)
+        found, live = chunk_finding(
+            o, s, shape, itemsize, stored, e >= 0 and int(index.entry_transform[e]) >= 0
+        )
         if live:
             good.append((o, s))
         if found is not None:

@@ -82,7 +82,12 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = Non
     view = _writable_view(t)
     done = 0
     while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise located(
+                exc, path if path is not None else what, offset + done, n - done
+            ) from None
         if got <= 0:
             changed = f"{path} changed while it was read: it was truncated" if path else (
                 "the file changed after it was checked?")  # fmt: skip
@@ -90,6 +95,15 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = Non
                 f"{what}: only {done} of {n} bytes could be read at byte {offset} ({changed})"
             )
         done += got
+
+
+def located(exc: OSError, path: Any, offset: int, n: int) -> OSError:
+    """`exc` (a failed read) naming its file and where: "Invalid argument" alone says nothing.
+
+    The same type (EIO stays an OSError, EACCES a PermissionError), with ``filename`` set, so
+    the one-line message is ``<file>: <what the system said> (reading <n> bytes at byte <o>)``.
+    """
+    return type(exc)(exc.errno, f"{exc.strerror} (reading {n} bytes at byte {offset})", str(path))
 
 
 _libc: Any = None
