@@ -109,6 +109,44 @@ bool same_sum(double x, double y) {
   return std::fabs(x - y) <= 1e-9 * std::fmax(std::fabs(x), std::fabs(y)) + 1e-300;
 }
 
+// The emulated rows of one call, with grids of at most `blocks` blocks.
+std::vector<Partial> emulated_rows(const std::vector<TensorPlan>& plans, const Options& o,
+                                   int64_t blocks) {
+  const cuda::LaunchPlan launch = cuda::plan_launches(plans, blocks, blocks);
+  const int64_t n = static_cast<int64_t>(plans.size());
+  std::vector<Partial> partials(static_cast<size_t>(std::max<int64_t>(launch.meta[n], 1)));
+  std::vector<Partial> rows(plans.size());
+  cuda::LaunchArgs args;
+  args.meta = launch.meta.data();
+  args.n = static_cast<int>(n);
+  args.total_chunks = launch.meta[n];
+  args.options = o;
+  args.has_expected = true;
+  args.partials = partials.data();
+  args.rows = rows.data();
+  args.fingerprints = nullptr;
+  args.launches = launch.launches.data();
+  args.n_launches = static_cast<int>(launch.launches.size());
+  cuda::emulate_compare(args);
+  return rows;
+}
+
+// NOTE: [launches]: every word of every row, float sums included, is the same whatever the grids.
+bool check_grids_agree(const std::vector<TensorPlan>& plans, const Options& o) {
+  const std::vector<Partial> one = emulated_rows(plans, o, 1);
+  for (const int64_t blocks : {2, 5}) {
+    const std::vector<Partial> other = emulated_rows(plans, o, blocks);
+    if (std::memcmp(one.data(), other.data(), one.size() * sizeof(Partial)) != 0) {
+      std::fprintf(stderr, "emulator self-test: rows with grids of 1 and %lld blocks differ\n",
+                   static_cast<long long>(blocks));
+      return false;
+    }
+  }
+  std::printf("emulator self-test: rows bit-identical (sums included) with grids of 1, 2, 5 "
+              "blocks\n");
+  return true;
+}
+
 // The emulated rows of one call against the scalar path, with grids of at most `blocks` blocks;
 // false (and a message) on a difference. Single-tensor mode is the fingerprint alone: only the
 // fingerprints are compared.
@@ -255,6 +293,7 @@ int run() {
     ok = ok && check_launch("compare", plans, Options{CompareParams{1e-3, 0.0, true}, true, true},
                             false, blocks);
   }
+  ok = ok && check_grids_agree(plans, Options{CompareParams{1e-3, 0.0, true}, true, true});
   ok = ok && check_launch("compare without fingerprints",
                           {plans[0], plans[4], plans[8], plans[11]},
                           Options{CompareParams{0.3, 0.1, false}, false, false}, false, 2);
