@@ -25,7 +25,7 @@ import threading
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -62,7 +62,7 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
-def _writable_view(t: torch.Tensor) -> memoryview:
+def writable_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte-range reads go into contiguous CPU tensors only")
@@ -70,7 +70,34 @@ def _writable_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = None) -> None:
+class RangeFile(Protocol):
+    """A file read by byte range that is not a local descriptor (an object in a store).
+
+    NOTE: [object storage] in ``remote``: the readers below take either an ``int`` descriptor
+    (local files: ``os.pread``, unchanged) or one of these.
+    """
+
+    size: int
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to `n` bytes at `offset` (fewer only at the end)."""
+        ...
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fills `view` from `offset`, or raises (never a partial buffer)."""
+        ...
+
+
+#: A local descriptor, or a file in an object store.
+Readable = int | RangeFile
+
+
+def pread(fd: Readable, n: int, offset: int) -> bytes:
+    """Up to `n` bytes of `fd` at `offset`."""
+    return os.pread(fd, n, offset) if isinstance(fd, int) else fd.pread(n, offset)
+
+
+def pread_into(fd: Readable, t: torch.Tensor, offset: int, what: str, path: Any = None) -> None:
     """Fills the contiguous CPU tensor `t` with the bytes of `fd` from `offset` on.
 
     Raises:
@@ -79,7 +106,10 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = Non
     n = t.numel() * t.element_size()
     if n == 0:
         return
-    view = _writable_view(t)
+    view = writable_view(t)
+    if not isinstance(fd, int):
+        fd.readinto(view, offset)  # the store names the object when it fails
+        return
     done = 0
     while done < n:
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -277,7 +307,7 @@ def populate(t: torch.Tensor) -> None:
 class _Window(io.RawIOBase):
     """Bytes ``[start, start + length)`` of an open file, as a seekable read-only file."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: Readable, start: int, length: int) -> None:
         super().__init__()
         self._fd, self._start, self._len, self._pos = fd, start, length, 0
 
@@ -299,7 +329,7 @@ class _Window(io.RawIOBase):
         n = min(len(b), self._len - self._pos)
         if n <= 0:
             return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
+        data = pread(self._fd, n, self._start + self._pos)
         b[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -307,7 +337,7 @@ class _Window(io.RawIOBase):
     def read_at(self, pos: int, n: int) -> bytes:
         if pos < 0 or pos + n > self._len:
             raise ValueError("outside the blob")
-        data = os.pread(self._fd, n, self._start + pos)
+        data = pread(self._fd, n, self._start + pos)
         if len(data) != n:
             raise ValueError("short read")
         return data
@@ -353,7 +383,7 @@ _layouts_lock = threading.Lock()
 
 
 def locate_chunk(
-    fd: int, start: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]
+    fd: Readable, start: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> RawChunk | None:
     """The raw location of a torch.save'd tensor chunk at ``[start, start + length)`` of `fd`.
 
@@ -411,7 +441,19 @@ def _pick(names: list[str]) -> tuple[str, str, str] | None:
     return pkl[0], order[0], data[0]
 
 
-def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
+#: Bytes read at each end of a chunk's blob to find its records (`_scan_fast`).
+SCAN_SPAN = 8192
+
+
+def scan_spans(start: int, length: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of the reads `locate_chunk` starts with (one when the blob is small)."""
+    span = min(length, SCAN_SPAN)
+    if length <= 2 * span:
+        return [(start, length)]
+    return [(start, span), (start + length - span, span)]
+
+
+def _scan_fast(fd: Readable, start: int, length: int) -> _Found | None:
     """The records torch.save writes, from one read of each end of the blob (no zip64).
 
     Records are found as a zip reader finds them: the end record, the central directory, then
@@ -420,9 +462,9 @@ def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
     """
     if length < _EOCD.size:
         return None
-    span = min(length, 8192)
-    head = os.pread(fd, span, start)
-    tail = head if span == length else os.pread(fd, span, start + length - span)
+    span = min(length, SCAN_SPAN)
+    head = pread(fd, span, start)
+    tail = head if span == length else pread(fd, span, start + length - span)
     if len(head) != span or len(tail) != span:
         return None
 
@@ -433,7 +475,7 @@ def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
             return head[off : off + n]
         if off >= length - span:
             return tail[off - (length - span) : off - (length - span) + n]
-        data = os.pread(fd, n, start + off)
+        data = pread(fd, n, start + off)
         if len(data) != n:
             raise ValueError("short read")
         return data
@@ -489,7 +531,7 @@ def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
     return read(p_at, p_n), read(o_at, o_n), d_at, d_n
 
 
-def _scan_zipfile(fd: int, start: int, length: int) -> _Found | None:
+def _scan_zipfile(fd: Readable, start: int, length: int) -> _Found | None:
     """`_scan_fast` through the standard library's zip reader (zip64 and other variants)."""
     win = _Window(fd, start, length)
     with zipfile.ZipFile(io.BufferedReader(win, 1 << 14)) as zf:
@@ -526,7 +568,7 @@ def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def _layout(
-    pickled: bytes, fd: int, start: int, length: int
+    pickled: bytes, fd: Readable, start: int, length: int
 ) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int] | None:
     """(dtype, shape, stride, storage offset, storage bytes) that a chunk's data.pkl describes."""
     with _layouts_lock:

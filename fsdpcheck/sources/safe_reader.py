@@ -120,7 +120,7 @@ class SafeFileSystemReader(FileSystemReader):
             bad: Why the storage entry at (key, chunk offsets or None) must not be read, or
                 None (what the opener's check found).
         """
-        reader = cls(index.root)
+        reader = cls(index.root)  # type: ignore[arg-type]  # RemoteSafeReader takes a RemotePath
         storage = _IndexStorage(index)
         reader.storage_data = storage  # type: ignore[assignment]  # a Mapping serves DCP
         reader._bad = bad
@@ -227,6 +227,16 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{what}: only {len(raw)} of {info.length} bytes could be read ({path} changed "
                 "while it was read: it was truncated)"
             )
+        self.use_bytes(raw, what, req, planner)
+
+    def use_bytes(self, raw: bytes, what: str, req: ReadItem, planner: LoadPlanner) -> None:
+        """Hands one storage entry's bytes (all `length` of them) to the planner, safely.
+
+        Undoes a storage transform (bounded, see the class docstring), then loads the blob
+        ``weights_only`` and copies the region the item asks for into its destination, or
+        hands a BYTE_IO value over re-serialised.
+        """
+        info = self.storage_data[req.storage_index]
         if info.transform_descriptors:
             limit = self._limit(req)
             try:
