@@ -171,11 +171,11 @@ def test_dcp_region_fetches_only_its_rows(s3):
         src.close()
     data = [e for e in s3.gets("ckpt/__0_0.distcp")]
     spans = [tuple(int(x) for x in e.range.split("=")[1].split("-")) for e in data]
-    # The chunk's zip records (its two ends, 8 KiB each), then exactly the 50 rows.
+    # The chunk's zip records (its two ends, 4 KiB each), then exactly the 50 rows.
     rows = [s for s in spans if s[1] - s[0] + 1 == 50 * 64 * 4]
     assert len(rows) == 1 and len(spans) == 3, spans
-    assert all(b - a + 1 <= 8192 for a, b in spans if (a, b) != rows[0])
-    assert sum(e.nbytes for e in data) == 50 * 64 * 4 + 2 * 8192
+    assert all(b - a + 1 <= 4096 for a, b in spans if (a, b) != rows[0])
+    assert sum(e.nbytes for e in data) == 50 * 64 * 4 + 2 * 4096
 
 
 # -- safetensors ----------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ _MADV_WILLNEED = 3
 _MADV_POPULATE_READ = 22
 # A tensor's data.pkl is a few hundred bytes; a larger one is read the safe slow way.
 _MAX_PICKLE = 1 << 20
+#: Bytes read at each end of a chunk's blob to find its records (`_scan_fast`): its records
+#: (data.pkl, the data record's header; the central directory) fit, beyond that more is read.
+SCAN_SPAN = 8192
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
@@ -383,18 +386,24 @@ _layouts_lock = threading.Lock()
 
 
 def locate_chunk(
-    fd: Readable, start: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]
+    fd: Readable,
+    start: int,
+    length: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    span: int = SCAN_SPAN,
 ) -> RawChunk | None:
     """The raw location of a torch.save'd tensor chunk at ``[start, start + length)`` of `fd`.
 
     See NOTE: [raw DCP chunks]. Returns None whenever the blob is not exactly one uncompressed,
     little-endian tensor of `dtype` and `shape` whose bytes lie inside the blob; the caller then
-    reads it the safe slow way, which reports what is wrong with it.
+    reads it the safe slow way, which reports what is wrong with it. `span`: bytes read at each
+    end of the blob first (`scan_spans`).
     """
     if sys.byteorder != "little":
         return None
     try:
-        found = _scan_fast(fd, start, length) or _scan_zipfile(fd, start, length)
+        found = _scan_fast(fd, start, length, span) or _scan_zipfile(fd, start, length)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, struct.error):
         return None
     if found is None:
@@ -441,19 +450,15 @@ def _pick(names: list[str]) -> tuple[str, str, str] | None:
     return pkl[0], order[0], data[0]
 
 
-#: Bytes read at each end of a chunk's blob to find its records (`_scan_fast`).
-SCAN_SPAN = 8192
-
-
-def scan_spans(start: int, length: int) -> list[tuple[int, int]]:
+def scan_spans(start: int, length: int, span: int = SCAN_SPAN) -> list[tuple[int, int]]:
     """(offset, bytes) of the reads `locate_chunk` starts with (one when the blob is small)."""
-    span = min(length, SCAN_SPAN)
+    span = min(length, span)
     if length <= 2 * span:
         return [(start, length)]
     return [(start, span), (start + length - span, span)]
 
 
-def _scan_fast(fd: Readable, start: int, length: int) -> _Found | None:
+def _scan_fast(fd: Readable, start: int, length: int, span: int = SCAN_SPAN) -> _Found | None:
     """The records torch.save writes, from one read of each end of the blob (no zip64).
 
     Records are found as a zip reader finds them: the end record, the central directory, then
@@ -462,7 +467,9 @@ def _scan_fast(fd: Readable, start: int, length: int) -> _Found | None:
     """
     if length < _EOCD.size:
         return None
-    span = min(length, SCAN_SPAN)
+    span = min(length, span)
+    if 2 * span >= length:
+        span = length  # one read of the whole blob
     head = pread(fd, span, start)
     tail = head if span == length else pread(fd, span, start + length - span)
     if len(head) != span or len(tail) != span:
@@ -576,9 +583,11 @@ def _layout(
             return _layouts[pickled]
     try:
         # weights_only: torch's restricted unpickler; "meta": no storage bytes are read.
+        # An object in a store is read in small pieces: what the parse asks for, not more.
+        buffer = 1 << 14 if isinstance(fd, int) else 512
         t = on_a_deep_stack(
             lambda: torch.load(
-                io.BufferedReader(_Window(fd, start, length), 1 << 14),
+                io.BufferedReader(_Window(fd, start, length), buffer),
                 map_location="meta",
                 weights_only=True,
             ),

@@ -52,6 +52,7 @@ __all__ = [
     "RemotePath",
     "Store",
     "fetched",
+    "fill_from",
     "is_url",
     "location",
     "name_problem",
@@ -342,17 +343,21 @@ class Store:
 
     # -- listings ----------------------------------------------------------------------------
     def listing(self, key: str) -> dict[str, ObjectInfo]:
-        """What lies directly under prefix `key`, by name (one listing, kept).
+        """What lies directly under prefix `key`, by name (one listing, kept; {}: nothing).
 
         Raises:
-            FileNotFoundError, PermissionError, ObjectStoreError: as the listing failed.
+            PermissionError, ObjectStoreError: as the listing failed.
         """
         with self.lock:
             got = self.listings.get(key)
         if got is not None:
             return got
         out: dict[str, ObjectInfo] = {}
-        for d in self._call(key, "listing", lambda: self._ls(key)):
+        try:
+            found = self._call(key, "listing", lambda: self._ls(key))
+        except FileNotFoundError:  # nothing under it (or no such bucket): an empty prefix
+            found = []
+        for d in found:
             name = str(d.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
             if name:
                 out[name] = _info_of(d)
@@ -854,7 +859,11 @@ class ObjectFile:
         self._held: list[tuple[int, bytes]] = []
 
     def hold(self, offset: int, data: bytes) -> None:
-        """Keeps bytes already fetched (a header, a zip's ends): `pread` serves them."""
+        """Keeps bytes already fetched (a header, a zip's ends): `pread` serves them.
+
+        Once a file holds bytes, what `pread` fetches besides is held too (only the bytes no
+        held piece has are fetched): for the short-lived files of one parse.
+        """
         self._held.append((offset, data))
 
     def pread(self, n: int, offset: int) -> bytes:
@@ -862,10 +871,15 @@ class ObjectFile:
         n = max(0, min(n, self.size - offset))
         if n == 0:
             return b""
-        for at, data in self._held:
-            if at <= offset and offset + n <= at + len(data):
-                return data[offset - at : offset - at + n]
-        return self.path.store.read(self.path.key, self.info, offset, n)
+        if not self._held:
+            return self.path.store.read(self.path.key, self.info, offset, n)
+        out = bytearray(n)
+        view = memoryview(out)
+        for lo, hi in fill_from(self._held, offset, view):
+            data = self.path.store.read(self.path.key, self.info, lo, hi - lo)
+            view[lo - offset : hi - offset] = data
+            self._held.append((lo, data))
+        return bytes(out)
 
     def readinto(self, view: memoryview, offset: int) -> None:
         """Fills `view` from `offset` (as `Store.read_into`)."""
@@ -874,6 +888,35 @@ class ObjectFile:
     def stream(self, window: int = 8 << 20) -> ObjectStream:
         """The object from its start as a sequential stream (``.metadata``)."""
         return ObjectStream(self, window)
+
+
+def fill_from(
+    held: Sequence[tuple[int, bytes]], start: int, view: memoryview
+) -> list[tuple[int, int]]:
+    """Copies into `view` (bytes from `start` on) what the held (offset, bytes) pieces have.
+
+    Returns:
+        The ranges ``[lo, hi)`` no piece had, in order (to be fetched).
+    """
+    end = start + len(view)
+    spans = sorted(
+        (max(at, start), min(at + len(data), end), at, data)
+        for at, data in held
+        if at < end and at + len(data) > start
+    )
+    gaps = []
+    pos = start
+    for lo, hi, at, data in spans:
+        if hi <= pos:
+            continue
+        lo = max(lo, pos)
+        if lo > pos:
+            gaps.append((pos, lo))
+        view[lo - start : hi - start] = memoryview(data)[lo - at : hi - at]
+        pos = hi
+    if pos < end:
+        gaps.append((pos, end))
+    return gaps
 
 
 class ObjectStream:

@@ -11,6 +11,7 @@ each straight into the batch's destination.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,13 +24,26 @@ from fsdpcheck.errors import CheckpointError
 from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.dcp import _MAX_RAW, DCPSource, _RawItem, raw_read
 from fsdpcheck.sources.rawio import locate_chunk, scan_spans, writable_view
-from fsdpcheck.sources.remote import ObjectFile, RemotePath, name_problem, open_object
+from fsdpcheck.sources.remote import (
+    ObjectFile,
+    RemotePath,
+    fill_from,
+    name_problem,
+    open_object,
+)
 from fsdpcheck.sources.safe_reader import SafeFileSystemReader
 
 __all__ = ["RemoteDCPSource", "RemoteSafeReader"]
 
 #: Bytes of whole storage entries the safe reader holds at once (read together, then loaded).
 _WAVE = 256 << 20
+#: Non-tensor values of at most this many stored bytes are kept once read (hyperparameters:
+#: the pairing and the comparison each ask for them).
+_SMALL_VALUE = 64 << 10
+#: Bytes fetched at each end of a chunk's blob to find its records: torch.save's data.pkl and
+#: record headers lie in the first ~1 KB, its central directory in the last ~600 bytes (more
+#: is fetched when they do not).
+_SPAN = 4096
 
 
 class _ObjectFiles:
@@ -80,10 +94,16 @@ class RemoteDCPSource(DCPSource):
     """
 
     def __init__(self, path: RemotePath, **kwargs: Any) -> None:
-        # Sizes and identities are those of now: what an earlier open listed is forgotten.
+        # Sizes and identities are those of now: what an earlier open listed is forgotten. One
+        # listing gives every data file's (a process that trusts another's check stats none).
         path.store.refresh(path.key)
+        if not path.listing():
+            raise FileNotFoundError(f"DCP checkpoint {path} does not exist (no objects there)")
         super().__init__(path, **kwargs)
         self.raw_reads = True
+        # Bytes `_locate` fetched for the batch being read, by object: [(offset, bytes)].
+        self._held: dict[str, list[tuple[int, bytes]]] = {}
+        self._values: dict[str, Any] = {}
 
     def _file_set(self) -> Any:
         assert isinstance(self.path, RemotePath)
@@ -100,8 +120,12 @@ class RemoteDCPSource(DCPSource):
         views: bool,
     ) -> list[torch.Tensor]:
         del views  # nothing is mapped: every region is read into its destination
-        self._locate(regions)
-        return super()._read(regions, device, out, views=False)
+        try:
+            self._locate(regions)
+            return super()._read(regions, device, out, views=False)
+        finally:
+            with self._lock:
+                self._held = {}
 
     def _locate(self, regions: Sequence[Region]) -> None:
         """Finds where the elements of every chunk the regions meet lie, all requests at once.
@@ -135,23 +159,42 @@ class RemoteDCPSource(DCPSource):
         for pos, (rel, offset, length) in todo.items():
             shared = self._files.file(rel)
             f = files[pos] = ObjectFile(shared.path, shared.info)
-            for at, n in scan_spans(offset, length):
+            for at, n in scan_spans(offset, length, _SPAN):
                 n = max(0, min(n, f.size - at))
                 buf = bytearray(n)
                 held.append((f, at, buf))
                 jobs.append((f.path.key, f.info, at, memoryview(buf)))
         self._store.read_many(jobs)
-        for f, at, buf in held:
-            f.hold(at, bytes(buf))
+        with self._lock:
+            for f, at, buf in held:
+                data = bytes(buf)
+                f.hold(at, data)
+                # The batch's data reads take what these fetched (a small blob: all of it).
+                self._held.setdefault(f.path.key, []).append((at, data))
         for (key, i), (rel, offset, length) in todo.items():
             dtype = self._entries[key].dtype
             assert dtype is not None
             size = self._index.chunk(key, i)[1]
-            rc = locate_chunk(files[(key, i)], offset, length, dtype, size)
+            rc = locate_chunk(files[(key, i)], offset, length, dtype, size, _SPAN)
             with self._lock:
                 if len(self._raw) >= _MAX_RAW:
                     self._raw.clear()
                 self._raw[(key, i)] = (rc, rel)
+
+    def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
+        """Non-tensor entries, each small one fetched once per source (they are read again)."""
+        with self._lock:
+            have = {k: copy.deepcopy(self._values[k]) for k in keys if k in self._values}
+        rest = [k for k in keys if k not in have]
+        if rest:
+            got = super().read_objects(rest)
+            with self._lock:
+                for k, v in got.items():
+                    e = self._index.value_entry.get(k)
+                    if e is not None and self._index.storage(e)[2] <= _SMALL_VALUE:
+                        self._values[k] = copy.deepcopy(v)
+            have.update(got)
+        return {k: have[k] for k in keys}
 
     @property
     def _store(self) -> Any:
@@ -159,14 +202,22 @@ class RemoteDCPSource(DCPSource):
         return self.path.store
 
     def _read_raw(self, per_file: dict[str, list[_RawItem]]) -> None:
-        """Every byte range of the batch, `CONCURRENCY` in flight, each into its destination."""
+        """Every byte range of the batch, `CONCURRENCY` in flight, each into its destination.
+
+        What `_locate` fetched already (the ends of a blob, all of a small one) is taken from
+        there: only the bytes no fetch brought yet are fetched.
+        """
+        with self._lock:
+            held, self._held = self._held, {}
         jobs = []
         finish = []
         for rel, items in per_file.items():
             f = self._files.file(rel)
             for it in sorted(items, key=lambda it: it.chunk.data_offset):
                 start, buf, done = raw_read(it)
-                jobs.append((f.path.key, f.info, start, writable_view(buf)))
+                view = writable_view(buf)
+                for lo, hi in fill_from(held.get(f.path.key, ()), start, view):
+                    jobs.append((f.path.key, f.info, lo, view[lo - start : hi - start]))
                 finish.append(done)
         self._store.read_many(jobs)
         for done in finish:
