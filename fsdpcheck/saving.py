@@ -366,12 +366,12 @@ def stale_reason(
             known = digests.get(d) if digests else None
             if known == want.metadata_sha256:
                 continue
-            if isinstance(d, RemotePath):
+            if isinstance(d, RemotePath):  # one read of its .metadata gives both
                 have, digest = _remote_identity(d)
                 if digest == want.metadata_sha256:
                     continue
             else:
-                if sha256_of(d / METADATA_FILE) == want.metadata_sha256:
+                if (known or sha256_of(d / METADATA_FILE)) == want.metadata_sha256:
                     continue
                 have = _save_id(d)
         except (OSError, ValueError):  # unreadable or gone: the structure checks say so

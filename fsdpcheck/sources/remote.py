@@ -152,6 +152,7 @@ class ObjectInfo:
     is_dir: bool = False
 
 
+#: What identifies a version of an object, by store (the first present is used).
 _IDENTITY_FIELDS = (
     "ETag",
     "etag",
@@ -159,6 +160,8 @@ _IDENTITY_FIELDS = (
     "version_id",
     "VersionId",
     "md5Hash",
+    "blob_id",  # huggingface_hub
+    "sha",
     "mtime",
     "LastModified",
     "last_modified",
