@@ -135,8 +135,15 @@ def _run(args: argparse.Namespace, work: Path, server: Any) -> None:
     ]
     remote = lambda name: f"s3://bench/{name}"  # noqa: E731
     local = lambda name: work / name  # noqa: E731
-    head = f"{'':28s} {'disk s':>8s} {'s3 s':>8s} {'ratio':>6s} {'fetched':>9s} {'x needed':>8s} {'requests':>8s}"
-    print(head)
+    cols = (
+        ("disk s", 8),
+        ("s3 s", 8),
+        ("ratio", 6),
+        ("fetched", 9),
+        ("x needed", 8),
+        ("requests", 8),
+    )
+    print(f"{'':28s} " + " ".join(f"{c:>{w}s}" for c, w in cols))
     for name, fn in cases:
         t_local, a = _median(lambda fn=fn: fn(local), args.reps)
         reset_fetched()
