@@ -137,6 +137,8 @@ class Proxy:
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
         self.release = threading.Event()
+        self.inflight = 0  # requests being answered now, and the most at once since clear()
+        self.most = 0
         self.servers: list[http.server.ThreadingHTTPServer] = []
         for tag in range(self.tags):
             server = _Server(("127.0.0.1", 0), _handler(self, tag))
@@ -161,6 +163,10 @@ class Proxy:
     def stall(self, contains: str, *, method: str | None = None, ranged: bool = False) -> Rule:
         return self._add(Rule(method, contains, "stall", ranged=ranged))
 
+    def cut(self, contains: str, *, times: int | None = None) -> Rule:
+        """Ranged GETs answered with half their body, then the connection closed."""
+        return self._add(Rule("GET", contains, "cut", times=times, ranged=True))
+
     def before(self, contains: str, fn: Callable[[], None], *, times: int = 1) -> Rule:
         return self._add(Rule("GET", contains, "call", times=times, fn=fn, ranged=True))
 
@@ -174,6 +180,7 @@ class Proxy:
         with self.lock:
             self.rules.clear()
             self.log.clear()
+            self.most = 0
         self.release.set()
         self.release = threading.Event()
 
@@ -257,6 +264,16 @@ def _handler(proxy: Proxy, tag: int) -> type[http.server.BaseHTTPRequestHandler]
                 return
             if rule is not None and rule.action == "call" and rule.fn is not None:
                 rule.fn()
+            with proxy.lock:
+                proxy.inflight += 1
+                proxy.most = max(proxy.most, proxy.inflight)
+            try:
+                self._forward(body, rule, rng)
+            finally:
+                with proxy.lock:
+                    proxy.inflight -= 1
+
+        def _forward(self, body: bytes, rule: Rule | None, rng: str | None) -> None:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=120)
             headers = {
                 k: v
@@ -269,8 +286,15 @@ def _handler(proxy: Proxy, tag: int) -> type[http.server.BaseHTTPRequestHandler]
             resp = conn.getresponse()
             data = resp.read()
             conn.close()
+            cut = rule is not None and rule.action == "cut"
+            sent = len(data) // 2 if cut else len(data)
             with proxy.lock:
-                proxy.log.append(Entry(tag, self.command, self.path, rng, resp.status, len(data)))
+                proxy.log.append(Entry(tag, self.command, self.path, rng, resp.status, sent))
+            if cut:
+                # The headers promise every byte; half come, then the connection closes.
+                self._reply(resp.status, resp.getheaders(), data[:sent], str(len(data)))
+                self.close_connection = True
+                return
             length = resp.getheader("Content-Length") if self.command == "HEAD" else None
             self._reply(resp.status, resp.getheaders(), data, length)
 

@@ -320,6 +320,74 @@ def test_permission_denied(s3):
     assert set(attempts(s3.gets("ckpt/__0_0.distcp")).values()) == {1}  # never retried
 
 
+def test_an_answer_cut_short_is_never_used(s3, tmp_path):
+    """A body that ends before the bytes its headers promise: asked again, or an error."""
+    sd = state()
+    url = s3.dcp("ckpt", sd)
+    s3.proxy.cut("ckpt/__0_0.distcp", times=1)
+    assert fsdpcheck.fingerprint_checkpoint(url) == fsdpcheck.fingerprint_checkpoint(
+        local_dcp(tmp_path, sd)
+    )
+    s3.proxy.clear()
+    s3.proxy.cut("ckpt/__0_0.distcp")
+    with pytest.raises(ObjectStoreError) as e:
+        fsdpcheck.fingerprint_checkpoint(url)
+    text = one_line(e.value)
+    assert f"{url}/__0_0.distcp" in text and "ending before their last byte" in text, text
+    assert "3 attempts" in text, text
+
+
+def test_requests_in_flight_are_bounded(s3, tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    save_file({f"t{i}": torch.randn(64, 64) for i in range(40)}, str(tmp_path / "m.safetensors"))
+    url = s3.put(tmp_path / "m.safetensors", "m.safetensors")
+    monkeypatch.setattr(R, "CONCURRENCY", 3)
+    s3.proxy.clear()
+    fsdpcheck.fingerprint_checkpoint(url)
+    assert len(s3.gets("m.safetensors")) == 41  # the header, then one range per tensor
+    assert 2 <= s3.proxy.most <= 3, s3.proxy.most  # concurrent, and never more than allowed
+
+
+def test_reads_land_in_the_callers_buffers(s3, tmp_path):
+    """A batch is read into the buffers it is given (the read-ahead's reused arena)."""
+    from safetensors.torch import save_file
+
+    sd = state()
+    url = s3.dcp("ckpt", sd)
+    save_file({"w": sd["model"]["emb.weight"]}, str(tmp_path / "w.safetensors"))
+    st = s3.put(tmp_path / "w.safetensors", "w.safetensors")
+    for ref, key in ((url, "model.emb.weight"), (st, "w")):
+        src = open_source(ref)
+        try:
+            out = [torch.empty(40, 64), torch.empty(60, 64)]
+            regions = [Region(key, (0, 0), (40, 64)), Region(key, (200, 0), (60, 64))]
+            got = src.read_views(regions, out)
+            assert [g.data_ptr() for g in got] == [o.data_ptr() for o in out]
+            assert torch.equal(out[1], sd["model"]["emb.weight"][200:260])
+        finally:
+            src.close()
+
+
+def test_storage_options_from_fsspec_configuration(s3, tmp_path):
+    """The endpoint from fsspec's own configuration (FSSPEC_S3_ENDPOINT_URL), not boto's."""
+    sd = state()
+    url = s3.dcp("ckpt", sd)
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    env["FSSPEC_S3_ENDPOINT_URL"] = s3.proxy.urls[0]
+    p = subprocess.run(
+        [sys.executable, "-m", "fsdpcheck", "fingerprint", url, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert p.returncode == 0, p.stderr
+    expected = fsdpcheck.fingerprint_checkpoint(local_dcp(tmp_path, sd))
+    assert json.loads(p.stdout) == {k: f"{v:#018x}" for k, v in expected.items()}
+
+
 def test_stalled_endpoint_meets_its_deadline(s3, capsys, monkeypatch):
     url = s3.dcp("ckpt", state())
     monkeypatch.setattr(R, "TIMEOUT", 1.0)

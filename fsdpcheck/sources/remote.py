@@ -690,6 +690,11 @@ class Store:
             return ObjectStoreError(
                 f"{url}: the store failed the {what} ({f.detail}) after {tries}"
             )
+        if f.kind == "cut":
+            return ObjectStoreError(
+                f"{url}: the store's answers kept ending before their last byte ({f.detail}) "
+                f"after {tries}; nothing read from them is used"
+            )
         if f.kind == "connection":
             return ObjectStoreError(
                 f"{url}: cannot reach {self.endpoint()} ({f.detail}) after {tries}"
@@ -699,7 +704,7 @@ class Store:
 
 @dataclass(frozen=True)
 class _Failure:
-    kind: str  # missing, denied, changed, short, timeout, throttled, server, connection, other
+    kind: str  # missing, denied, changed, short, timeout, throttled, server, cut, connection, other
     detail: str
     retry: bool
 
@@ -739,8 +744,8 @@ def _classify(exc: BaseException) -> _Failure | None:
         return _Failure("changed", str(exc), False)
     if isinstance(exc, _Short):
         return _Failure("short", str(exc), False)
-    if isinstance(exc, _Lost):
-        return _Failure("connection", str(exc), True)
+    if isinstance(exc, _Lost) or _named(exc, "ResponseStreaming", "IncompleteRead", "Payload"):
+        return _Failure("cut", str(exc) if isinstance(exc, _Lost) else one_line(exc), True)
     # The store library's own error (botocore's ClientError), also behind s3fs's translation.
     for e in (exc, exc.__cause__, exc.__context__):
         resp = getattr(e, "response", None)
@@ -785,9 +790,6 @@ def _classify(exc: BaseException) -> _Failure | None:
         "Connection",
         "Connect",
         "Disconnected",
-        "ResponseStreaming",
-        "IncompleteRead",
-        "Payload",
         "HTTPClientError",
     ):
         return _Failure("connection", one_line(exc), True)
