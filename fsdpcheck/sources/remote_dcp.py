@@ -101,8 +101,9 @@ class RemoteDCPSource(DCPSource):
             raise FileNotFoundError(f"DCP checkpoint {path} does not exist (no objects there)")
         super().__init__(path, **kwargs)
         self.raw_reads = True
-        # Bytes `_locate` fetched for the batch being read, by object: [(offset, bytes)].
-        self._held: dict[str, list[tuple[int, bytes]]] = {}
+        # Per reading thread (the read-ahead may read two batches at once): the bytes `_locate`
+        # fetched for the batch it reads, by object: [(offset, bytes)].
+        self._batch = threading.local()
         self._values: dict[str, Any] = {}
 
     def _file_set(self) -> Any:
@@ -120,12 +121,12 @@ class RemoteDCPSource(DCPSource):
         views: bool,
     ) -> list[torch.Tensor]:
         del views  # nothing is mapped: every region is read into its destination
+        self._batch.held = {}
         try:
             self._locate(regions)
             return super()._read(regions, device, out, views=False)
         finally:
-            with self._lock:
-                self._held = {}
+            self._batch.held = {}
 
     def _locate(self, regions: Sequence[Region]) -> None:
         """Finds where the elements of every chunk the regions meet lie, all requests at once.
@@ -165,12 +166,11 @@ class RemoteDCPSource(DCPSource):
                 held.append((f, at, buf))
                 jobs.append((f.path.key, f.info, at, memoryview(buf)))
         self._store.read_many(jobs)
-        with self._lock:
-            for f, at, buf in held:
-                data = bytes(buf)
-                f.hold(at, data)
-                # The batch's data reads take what these fetched (a small blob: all of it).
-                self._held.setdefault(f.path.key, []).append((at, data))
+        for f, at, buf in held:
+            data = bytes(buf)
+            f.hold(at, data)
+            # The batch's data reads take what these fetched (a small blob: all of it).
+            self._batch.held.setdefault(f.path.key, []).append((at, data))
         for (key, i), (rel, offset, length) in todo.items():
             dtype = self._entries[key].dtype
             assert dtype is not None
@@ -207,8 +207,7 @@ class RemoteDCPSource(DCPSource):
         What `_locate` fetched already (the ends of a blob, all of a small one) is taken from
         there: only the bytes no fetch brought yet are fetched.
         """
-        with self._lock:
-            held, self._held = self._held, {}
+        held = getattr(self._batch, "held", {})
         jobs = []
         finish = []
         for rel, items in per_file.items():
