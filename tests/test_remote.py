@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fsdpcheck
 from fsdpcheck.cli import main
@@ -202,6 +204,14 @@ def test_safetensors_index_uploaded_with_s3fs(s3, tmp_path):
     r = fsdpcheck.compare_checkpoints(index, tmp_path / "one.safetensors")
     assert r.ok and r.keys_checked == 7, str(r)
     assert all(e.range is not None for e in s3.gets())
+    # A shard the index names is gone: named, as a local one would be.
+    shard = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))[0]
+    s3.fs.rm(s3.key(f"hf/{shard}"))
+    r = fsdpcheck.audit(index)
+    assert not r.ok and all(f"{folder}/{shard} does not exist" in f.message for f in r.findings)
+    with pytest.raises(CheckpointError) as e:
+        fsdpcheck.fingerprint_checkpoint(index)
+    assert shard in one_line(e.value)
 
 
 def test_safetensors_region_fetches_only_its_rows(s3, tmp_path):
@@ -520,3 +530,64 @@ def test_save_to_a_url_then_audit_deep_and_load(s3):
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
     assert json.loads(s3.fs.cat_file(s3.key("saved/fsdpcheck_manifest.json")))["world_size"] == 1
+
+
+# -- the pieces, against references -----------------------------------------------------------
+@given(
+    data=st.binary(min_size=1, max_size=300),
+    pieces=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 80)), max_size=6),
+    start=st.integers(0, 299),
+    n=st.integers(0, 120),
+)
+def test_fill_from_takes_what_is_held_and_names_the_rest(data, pieces, start, n):
+    held = [(a, data[a : a + k]) for a, k in pieces if a < len(data)]
+    start = min(start, len(data))
+    n = min(n, len(data) - start)
+    out = bytearray(b"\xee" * n)
+    gaps = R.fill_from(held, start, memoryview(out))
+    covered = set()
+    for a, piece in held:
+        covered.update(range(a, a + len(piece)))
+    want_gaps = []
+    for i in range(start, start + n):  # the reference: byte by byte
+        if i in covered:
+            assert out[i - start] == data[i]
+        elif want_gaps and want_gaps[-1][1] == i:
+            want_gaps[-1] = (want_gaps[-1][0], i + 1)
+        else:
+            want_gaps.append((i, i + 1))
+    assert gaps == want_gaps
+
+
+@settings(max_examples=25)
+@given(data=st.binary(min_size=0, max_size=5000), sizes=st.lists(st.integers(1, 1500), max_size=12))
+def test_an_object_streams_as_its_bytes(data, sizes):
+    """``.metadata`` is read through this stream: any read sizes give the object's bytes."""
+    import fsspec
+
+    key = f"/fsdpcheck-stream-{uuid.uuid4().hex[:8]}/obj"
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(key, data)
+    try:
+        stream = R.open_object(R.RemotePath.parse(f"memory://{key}"), "test").stream(window=700)
+        got = b""
+        for n in [*sizes, 10_000]:
+            got += stream.read(n)
+        assert got == data and stream.read(10) == b""
+        stream.seek(0)
+        assert stream.read(len(data) + 1) == data
+    finally:
+        fs.rm(key.rsplit("/", 1)[0], recursive=True)
+
+
+def test_names_a_checkpoint_may_give_its_files():
+    assert R.name_problem("__0_0.distcp") is None and R.name_problem("sub/x.distcp") is None
+    for bad in ("../x", "a/../../x", "/etc/passwd", "C:x", "a\\b", "", ".", "a\x00b"):
+        assert R.name_problem(bad) is not None, bad
+    url = R.RemotePath.parse("s3://bkt/run/step-1/")
+    assert str(url) == "s3://bkt/run/step-1" and str(url / "./x/" / ".metadata") == (
+        "s3://bkt/run/step-1/x/.metadata"
+    )
+    assert (url / "m.safetensors").suffix == ".safetensors" and url.parent.name == "run"
+    assert R.location("file:///tmp/a%20b") == Path("/tmp/a b")
+    assert R.location("/tmp/x") == "/tmp/x" and not R.is_url("file:///x") and R.is_url("gs://b/k")
