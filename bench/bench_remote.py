@@ -14,19 +14,21 @@ of the two times; and what was fetched from the server against what had to be re
 (1.0x is every byte once; headers add a little), requests. A last row reads half the rows of
 every tensor (what one of two ranks reads): bytes fetched against the bytes of those rows.
 
-moto is a Python server (one process, in memory; a ranged GET copies the whole object before
-it slices it): its pace, not S3's, sets the remote times here. The ``floor`` rows time plain
-GETs of every object whole through s3fs, the server's own pace. The byte counts are the same
-against any S3.
+moto is a Python server (one process; a ranged GET reads the whole object before it slices
+it, so each range costs time in proportion to its object's size): its pace, not S3's, sets the
+remote times here. The ``floor`` rows fetch the same byte ranges with s3fs alone, concurrently:
+the server's own pace, against which fsdpcheck's remote times compare. The byte counts are the
+same against any S3.
 
 Examples:
-    python bench/bench_remote.py                     # 256 MB per checkpoint
+    python bench/bench_remote.py                     # 128 MB per checkpoint
     python bench/bench_remote.py --size 64M --reps 1
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -75,7 +77,7 @@ def _median(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", type=_size, default=_size("256M"), help="bytes per checkpoint")
+    p.add_argument("--size", type=_size, default=_size("128M"), help="bytes per checkpoint")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
 
@@ -156,12 +158,30 @@ def _run(args: argparse.Namespace, work: Path, server: Any) -> None:
             f"{got['bytes'] / per / 1e6:7.1f}MB {got['bytes'] / per / need:8.4f} "
             f"{got['requests'] // per:8d}" + ("" if same else "   RESULTS DIFFER")
         )
-    # The server's own pace: every object of each checkpoint in one GET (what downloading it
-    # whole would take, without writing it anywhere).
-    for name, prefix in (("floor: GET DCP whole", "bench/dcp"), ("floor: GET st whole", "bench/m")):
-        keys = [k for k in fs.find(prefix) if k.startswith(prefix)]
-        t, _ = _median(lambda keys=keys: [len(fs.cat_file(k)) for k in keys], args.reps)
-        print(f"{name:28s} {'':8s} {t:8.2f}")
+    # The server's own pace: the same byte ranges (every chunk's record, every tensor's bytes)
+    # fetched by s3fs alone, concurrently (``cat_ranges``), nothing done with them.
+    for name, where in (
+        ("floor: s3fs, DCP ranges", "dcp"),
+        ("floor: s3fs, st ranges", "m.safetensors"),
+    ):
+        src = open_source(remote(where))
+        if where == "dcp":
+            idx = src.index  # type: ignore[attr-defined]
+            spans = [idx.storage(e)[:3] for e in range(idx.entry_where.shape[0])]
+            paths = [f"bench/dcp/{rel}" for rel, _, _ in spans]
+            starts = [off for _, off, _ in spans]
+            ends = [off + n for _, off, n in spans]
+        else:
+            es = [e for e in src.entries().values() if e.is_tensor]
+            paths = [f"bench/{where}"] * len(es)
+            starts = [e.start for e in es]  # type: ignore[attr-defined]
+            ends = [e.start + e.dtype.itemsize * math.prod(e.shape) for e in es]  # type: ignore[attr-defined]
+        src.close()
+        t, got = _median(lambda p=paths, a=starts, b=ends: fs.cat_ranges(p, a, b), args.reps)
+        print(
+            f"{name:28s} {'':8s} {t:8.2f} {'':6s} {sum(map(len, got)) / 1e6:7.1f}MB "
+            f"{sum(map(len, got)) / need:8.4f} {len(paths):8d}"
+        )
     # Half the rows of every tensor (one of two ranks): only those rows are fetched.
     for name, where in (("half: DCP", "dcp"), ("half: safetensors", "m.safetensors")):
         src = open_source(remote(where))
