@@ -379,6 +379,31 @@ def test_reads_land_in_the_callers_buffers(s3, tmp_path):
             src.close()
 
 
+def test_columns_through_bounded_scratch(s3, monkeypatch):
+    """Parts that need scratch buffers (some columns of the rows) are read in bounded waves."""
+    from fsdpcheck.sources import remote_dcp
+
+    sd = state()
+    url = s3.dcp("ckpt", sd)
+    monkeypatch.setattr(remote_dcp, "_SCRATCH", 1)  # a wave per part
+    src = open_source(url)
+    try:
+        regions = [
+            Region("model.emb.weight", (7, 10), (200, 11)),
+            Region("model.big.weight", (1000, 40), (48, 8)),
+            Region("model.proj.weight", (3, 2), (20, 5)),  # saved transposed: read whole
+            Region("model.head.bias", (2,), (4,)),
+        ]
+        got = src.read(regions, torch.device("cpu"))
+        ref = sd["model"]
+        assert torch.equal(got[0], ref["emb.weight"][7:207, 10:21])
+        assert torch.equal(got[1], ref["big.weight"][1000:1048, 40:48])
+        assert torch.equal(got[2], ref["proj.weight"][3:23, 2:7])
+        assert torch.equal(got[3], ref["head.bias"][2:6])
+    finally:
+        src.close()
+
+
 def test_storage_options_from_fsspec_configuration(s3, tmp_path):
     """The endpoint from fsspec's own configuration (FSSPEC_S3_ENDPOINT_URL), not boto's."""
     sd = state()

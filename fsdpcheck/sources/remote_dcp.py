@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,9 @@ __all__ = ["RemoteDCPSource", "RemoteSafeReader"]
 
 #: Bytes of whole storage entries the safe reader holds at once (read together, then loaded).
 _WAVE = 256 << 20
+#: Bytes of scratch buffers one batch's reads hold at once (parts that cannot be read straight
+#: into their destinations).
+_SCRATCH = 64 << 20
 #: Non-tensor values of at most this many stored bytes are kept once read (hyperparameters:
 #: the pairing and the comparison each ask for them).
 _SMALL_VALUE = 64 << 10
@@ -205,15 +208,25 @@ class RemoteDCPSource(DCPSource):
         """Every byte range of the batch, `CONCURRENCY` in flight, each into its destination.
 
         What `_locate` fetched already (the ends of a blob, all of a small one) is taken from
-        there: only the bytes no fetch brought yet are fetched.
+        there: only the bytes no fetch brought yet are fetched. Parts that cannot land in their
+        destination directly (some columns of a chunk's rows) go through scratch buffers, at
+        most `_SCRATCH` bytes of them at once (then those are read and placed first).
         """
         held = getattr(self._batch, "held", {})
-        jobs = []
-        finish = []
+        jobs: list[tuple[str, Any, int, memoryview]] = []
+        finish: list[Callable[[], None]] = []
+        scratch = 0
         for rel, items in per_file.items():
             f = self._files.file(rel)
             for it in sorted(items, key=lambda it: it.chunk.data_offset):
                 start, buf, done = raw_read(it)
+                if buf.data_ptr() != it.target.data_ptr():
+                    scratch += buf.numel()
+                    if scratch > _SCRATCH and jobs:
+                        self._store.read_many(jobs)
+                        for d in finish:
+                            d()
+                        jobs, finish, scratch = [], [], buf.numel()
                 view = writable_view(buf)
                 for lo, hi in fill_from(held.get(f.path.key, ()), start, view):
                     jobs.append((f.path.key, f.info, lo, view[lo - start : hi - start]))
