@@ -15,8 +15,9 @@ from fsdpcheck.manifest import MANIFEST_NAME, read_manifest
 from fsdpcheck.names import optim_key
 from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.saving import stale_reason
-from fsdpcheck.sources import open_part
+from fsdpcheck.sources import open_dcp, open_part
 from fsdpcheck.sources.base import Entry
+from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 __all__ = ["Box", "audit", "tiling_problems"]
@@ -106,7 +107,7 @@ def _deep_words(deep: bool, checked: int, unchecked: int) -> str:
 
 
 def _audit_dcp(
-    p: Path,
+    p: Path | RemotePath,
     findings: list[Finding],
     notes: list[str],
     deep: bool,
@@ -118,9 +119,7 @@ def _audit_dcp(
     # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata), and
     # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_pickle), whose check
     # gives the structural findings and whose source reads the data for --deep.
-    from fsdpcheck.sources.dcp import DCPSource
-
-    source = DCPSource(p)
+    source = open_dcp(p)
     try:
         index, check = source.index, source.storage_problems
         assert check is not None
@@ -205,7 +204,12 @@ def _audit_optimizer(
 
 
 def _audit_manifest(
-    p: Path, source: Any, findings: list[Finding], notes: list[str], deep: bool, prefix: str
+    p: Path | RemotePath,
+    source: Any,
+    findings: list[Finding],
+    notes: list[str],
+    deep: bool,
+    prefix: str,
 ) -> int:
     """Checks the manifest against the metadata (and, `deep`, the data).
 

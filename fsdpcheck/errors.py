@@ -68,6 +68,14 @@ class CoverageError(CheckpointError):
     """
 
 
+class ObjectStoreError(CheckpointError):
+    """An object store failed a read (one line naming the object and what to do).
+
+    The object changed while it was read, is shorter than listed, or the store throttled,
+    failed or did not answer.
+    """
+
+
 class ManifestError(FsdpcheckError, ValueError):
     """A manifest that is not valid (the message names the file and the field)."""
 
@@ -106,6 +114,7 @@ REGISTRY: dict[str, type[Exception]] = {
     for t in (
         FileNotFoundError,
         FileExistsError,
+        ImportError,
         PermissionError,
         IsADirectoryError,
         NotADirectoryError,
@@ -113,6 +122,7 @@ REGISTRY: dict[str, type[Exception]] = {
         TypeError,
         CheckpointError,
         CoverageError,
+        ObjectStoreError,
         ManifestError,
         FingerprintError,
         CheckpointKindError,

@@ -29,6 +29,7 @@ from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, refuse_problems
+from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.tolerances import checked_key_map
 from fsdpcheck.verification import verify as verify_full
 
@@ -274,7 +275,7 @@ def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> N
     mine = (
         plan.info.kind,
         plan.info.layout,
-        [os.path.relpath(p, plan.info.path) for p in plan.info.parts],
+        [_relative(p, plan.info.path) for p in plan.info.parts],
         # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
         None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
     )
@@ -287,13 +288,20 @@ def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> N
         )
 
 
+def _relative(part: Any, root: Any) -> str:
+    """Where a part lies in its checkpoint (local, or in an object store)."""
+    if isinstance(part, RemotePath):
+        return part.relative(root) if isinstance(root, RemotePath) else str(part)
+    return os.path.relpath(part, root)
+
+
 def _few(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return f"ranks {ranks}" if len(ranks) <= 8 else f"ranks {ranks[:8]} and {len(ranks) - 8} more"
 
 
-def _manifest_agrees(manifest: Manifest, source: Source, where: Path) -> None:
+def _manifest_agrees(manifest: Manifest, source: Source, where: object) -> None:
     entries = source.entries()
     for name, e in manifest.entries.items():
         entry = entries.get(e.checkpoint_key)
@@ -419,7 +427,11 @@ def _load_dcp(
         # from a part still takes part in its collectives).
         part = parts[i]
         # The metadata parsed when opening (not read again), checked as it was then.
-        reader = part.dcp_reader() if isinstance(part, DCPSource) else SafeFileSystemReader(where)
+        reader = (
+            part.dcp_reader()
+            if isinstance(part, DCPSource)
+            else SafeFileSystemReader(cast(Path, where))
+        )
         reader.agree = lambda check: agree(comm, check, "the check before writing into the model")
         if i == 0:
             reader.before_writing = (

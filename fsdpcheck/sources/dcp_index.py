@@ -59,9 +59,11 @@ from fsdpcheck.sources.dcp_pickle import (
     ChunkRun,
     Fallback,
     Parsed,
+    Stream,
     StreamError,
     read_metadata_stream,
 )
+from fsdpcheck.sources.remote import RemotePath, object_size, open_object
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 _NOTHING = torch.empty(0, 0, dtype=torch.int64)
@@ -74,7 +76,7 @@ class DcpIndex:
     """A DCP checkpoint's metadata as columns (see the module docstring).
 
     Attributes:
-        root: The checkpoint directory.
+        root: The checkpoint directory (or its prefix in an object store).
         digest: sha256 (hex) of the ``.metadata`` bytes parsed.
         keys: Every key, in metadata order.
         paths: Each key's structural path (``planner_paths``).
@@ -95,7 +97,7 @@ class DcpIndex:
         value_entry: Per value key: its storage entry row.
     """
 
-    root: Path
+    root: Path | RemotePath
     digest: str
     keys: list[str]
     paths: dict[str, tuple[str, ...]]
@@ -299,7 +301,7 @@ Storage = tuple[str, int, int, tuple[str, ...]]
 
 
 # -------------------------------------------------------------------------------------------
-def read_parsed(root: Path, columns: bool | None = None) -> Parsed:
+def read_parsed(root: Path | RemotePath, columns: bool | None = None) -> Parsed:
     """``.metadata`` of `root`, opened by what it is and read as it streams.
 
     Files of `SMALL` bytes and more read their runs of chunk and storage records as columns;
@@ -311,24 +313,30 @@ def read_parsed(root: Path, columns: bool | None = None) -> Parsed:
         FileNotFoundError / PermissionError / CheckpointError / UnsafePickleError: as
         `read_dcp_metadata`.
     """
-    f = root / METADATA_FILE
-    what = f"DCP metadata {f}"
-    fd, st = open_regular(f, "DCP metadata")
+    what = f"DCP metadata {root / METADATA_FILE}"
+    fd: int | Stream
+    if isinstance(root, RemotePath):  # its size from the listing: refused before it is fetched
+        fd = open_object(root / METADATA_FILE, "DCP metadata").stream()
+        size = fd.size
+    else:
+        fd, st = open_regular(root / METADATA_FILE, "DCP metadata")
+        size = st.st_size
     try:
-        if st.st_size > MAX_METADATA:
+        if size > MAX_METADATA:
             raise CheckpointError(
-                f"{what} has {st.st_size} bytes, more than the {MAX_METADATA} fsdpcheck reads; "
+                f"{what} has {size} bytes, more than the {MAX_METADATA} fsdpcheck reads; "
                 "refusing it"
             )
         if columns is None:
-            columns = st.st_size >= SMALL
+            columns = size >= SMALL
         return read_metadata_stream(fd, what, _mirror, MAX_METADATA, columns=columns)
     except (UnsafePickleError, CheckpointError):
         raise
     except (StreamError, ValueError) as exc:
         raise CheckpointError(f"{what} is unreadable: {exc}") from None
     finally:
-        os.close(fd)
+        if isinstance(fd, int):
+            os.close(fd)
 
 
 def _trim() -> None:
@@ -348,14 +356,18 @@ def _trim() -> None:
 
 
 def open_index(
-    root: str | os.PathLike[str], *, trusted_digest: str | None = None
+    root: str | os.PathLike[str] | RemotePath, *, trusted_digest: str | None = None
 ) -> tuple[DcpIndex, StorageProblems | None]:
     """Reads and (unless `trusted_digest` matches) checks a DCP checkpoint's metadata.
+
+    Args:
+        root: The checkpoint directory, or its prefix in an object store.
+        trusted_digest: See NOTE: [trusted metadata].
 
     Returns:
         The index and what `check` found (None when the digest matched: not checked here).
     """
-    root = Path(root)
+    root = root if isinstance(root, RemotePath) else Path(root)
     # NOTE: [one thread] The column work is hundreds of mid-sized tensor ops: on 2 cores
     # shared with other work, torch's intra-op threads doubled its CPU time (1M chunks: 8.4 s
     # of CPU against 4.0 s on one thread) for no gain in wall time, so it runs on one.
@@ -381,7 +393,7 @@ def open_index(
         torch.set_num_threads(threads)
 
 
-def build_index(parsed: Parsed, root: Path) -> DcpIndex:
+def build_index(parsed: Parsed, root: Path | RemotePath) -> DcpIndex:
     """The columns of parsed metadata (objects, with column runs where the stream had them).
 
     Raises:
@@ -801,9 +813,13 @@ def check(index: DcpIndex) -> StorageProblems:
         sizes = torch.zeros(nfiles, dtype=torch.int64)
         unreadable = torch.zeros(nfiles, dtype=torch.bool)
         whys: dict[int, str] = {}
-        real_root = root.resolve()
+        # An object store: the sizes of its listing (NOTE: [object storage] in ``remote``).
+        real_root = None if isinstance(root, RemotePath) else root.resolve()
         for f, rel in enumerate(index.files):
-            why, size = file_size(root, rel, "storage entry", real_root)
+            if isinstance(root, RemotePath):
+                why, size = object_size(root, rel, "storage entry")
+            else:
+                why, size = file_size(root, rel, "storage entry", real_root)
             if why is not None:
                 whys[f] = why
                 unreadable[f] = True

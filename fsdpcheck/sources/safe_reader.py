@@ -130,7 +130,7 @@ class SafeFileSystemReader(FileSystemReader):
             bad: Why the storage entry at (key, chunk offsets or None) must not be read, or
                 None (what the opener's check found).
         """
-        reader = cls(index.root)
+        reader = cls(index.root)  # type: ignore[arg-type]  # RemoteSafeReader takes a RemotePath
         storage = _IndexStorage(index)
         reader.storage_data = storage  # type: ignore[assignment]  # a Mapping serves DCP
         reader._bad = bad
@@ -291,22 +291,43 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{what}: only {len(raw)} of {info.length} bytes could be read at byte "
                 f"{info.offset} ({path} changed while it was read: it was truncated)"
             )
-        if info.transform_descriptors:
-            limit = self._limit(req)
-            try:
-                raw = self.transforms.transform_load_stream(
-                    req, info.transform_descriptors, io.BytesIO(raw)
-                ).read(limit + 1)
-            except Exception as exc:
-                raise CheckpointError(f"{what}: cannot undo its storage transform: "
-                                      f"{one_line(exc)}") from None  # fmt: skip
-            if len(raw) > limit:
-                raise CheckpointError(
-                    f"{what}: its storage transform ({', '.join(info.transform_descriptors)}) "
-                    f"inflates past {limit} bytes, more than the entry can hold; refusing it "
-                    "(a decompression bomb?)"
-                )
+        return self._decoded(raw, what, req)
+
+    def _decoded(self, raw: bytes, what: str, req: ReadItem) -> bytes:
+        """`raw` (all of `req`'s storage entry) with its storage transform undone, bounded."""
+        info = self.storage_data[req.storage_index]
+        if not info.transform_descriptors:
+            return raw
+        limit = self._limit(req)
+        try:
+            raw = self.transforms.transform_load_stream(
+                req, info.transform_descriptors, io.BytesIO(raw)
+            ).read(limit + 1)
+        except Exception as exc:
+            raise CheckpointError(f"{what}: cannot undo its storage transform: "
+                                  f"{one_line(exc)}") from None  # fmt: skip
+        if len(raw) > limit:
+            raise CheckpointError(
+                f"{what}: its storage transform ({', '.join(info.transform_descriptors)}) "
+                f"inflates past {limit} bytes, more than the entry can hold; refusing it "
+                "(a decompression bomb?)"
+            )
         return raw
+
+    def use_bytes(self, raw: bytes, what: str, req: ReadItem, planner: LoadPlanner) -> None:
+        """Hands one storage entry's bytes (all `length` of them) to the planner, safely.
+
+        Undoes a storage transform (bounded, see the class docstring), then loads the blob
+        ``weights_only`` and copies the region the item asks for into its destination, or
+        hands a BYTE_IO value over re-serialised. For readers that fetch entries whole and
+        write as they go (``remote_dcp``); the local reader checks every item first (NOTE:
+        [check before writing]).
+        """
+        raw = self._decoded(raw, what, req)
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, safe_bytes(raw, what))
+            return
+        self._place(self._load_blob(raw, what, req), what, req, planner)
 
     def _check_item(
         self, stream: Any, path: Path, req: ReadItem, planner: LoadPlanner
@@ -382,7 +403,11 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _read_item(self, stream: Any, path: Path, req: ReadItem, planner: LoadPlanner) -> None:
         what = f"{path}: {req.storage_index.fqn}"
-        blob = self._load_blob(self._entry_bytes(stream, path, req), what, req)
+        self._place(self._load_blob(self._entry_bytes(stream, path, req), what, req), what, req,
+                    planner)  # fmt: skip
+
+    def _place(self, blob: torch.Tensor, what: str, req: ReadItem, planner: LoadPlanner) -> None:
+        """Copies `req`'s region of the loaded chunk `blob` into its destination."""
         src = _narrow(blob, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
