@@ -9,6 +9,7 @@ against the manifest in one pass.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +38,7 @@ from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, refuse_problems
+from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.tolerances import checked_key_map
 from fsdpcheck.verification import verify as verify_full
 
@@ -176,28 +178,46 @@ def _load(
             f"expected a {expect} checkpoint but {path} is {info.description}, a {info.kind} "
             f"checkpoint; nothing was loaded. {hint}"
         )
-    marked = agree(comm, lambda: fill_sentinel(model, optimizer) if sentinel else [], "sentinel")
     work = agree(
         comm,
         lambda: _pair(model, optimizer, info, source, key_map, convert),
         f"pairing {path} with the model",
     )
+    writes: list[Any] = []
     conv = work.conv
     if conv is not None:
         # Model tensors through the conversion: each rank reads the regions its own pieces
-        # name, every rank agrees the reads succeeded, then each writes into its shards.
+        # name, and every rank agrees the reads succeeded; they are written with the rest.
         items = work.match.items
         writes = agree(
             comm,
             lambda: converted_reads(work.source, items, conv, work.values, comm.world),
             f"reading {path}",
         )
+    # Sentinels go in once everything that can fail before the first write has passed
+    # (NOTE: [check before writing] in sources/safe_reader): a refused load leaves the model
+    # as it was, not full of sentinels. The converted pieces are written then too, after them.
+    marked: list[Any] = []
+    wrote: list[bool] = []
+
+    def fill() -> None:
+        if wrote:
+            return
+        wrote.append(True)
+        if sentinel:
+            marked.extend(fill_sentinel(model, optimizer))
         write_in_place(writes)
+
+    first_write = fill if sentinel or writes else None
     if info.kind == "sharded":
-        _load_dcp(work, group, comm)
+        _load_dcp(work, group, comm, first_write)
+        if conv is not None:  # DCP may have had nothing to read (every model tensor converted)
+            agree(comm, fill, "writing the converted tensors")  # a no-op where it wrote
     else:
         # Reading is local and may fail on one rank: agree on it before torch's collectives.
         full, osd = agree(comm, lambda: _read_full(work), f"reading {path}")
+        if first_write is not None:
+            agree(comm, first_write, "sentinel")
         _apply_full(work, full, osd)
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
     paired_notes, paired_findings, rows = _pairing_everywhere(comm, work.match)
@@ -270,7 +290,7 @@ def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
             f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
             f"({', '.join(p.name for p in info.parts)}); fsdpcheck cannot load it as one"
         )
-    refuse_problems(source, info.path, "load it (nothing was loaded)")
+    refuse_problems(source, info.path, "load it: nothing was loaded")
     if manifest is not None:
         _manifest_agrees(manifest, source, info.path)
     return _Plan(info, manifest)
@@ -288,7 +308,7 @@ def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> N
     mine = (
         plan.info.kind,
         plan.info.layout,
-        [os.path.relpath(p, plan.info.path) for p in plan.info.parts],
+        [_relative(p, plan.info.path) for p in plan.info.parts],
         # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
         None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
     )
@@ -301,13 +321,20 @@ def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> N
         )
 
 
+def _relative(part: Any, root: Any) -> str:
+    """Where a part lies in its checkpoint (local, or in an object store)."""
+    if isinstance(part, RemotePath):
+        return part.relative(root) if isinstance(root, RemotePath) else str(part)
+    return os.path.relpath(part, root)
+
+
 def _few(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return f"ranks {ranks}" if len(ranks) <= 8 else f"ranks {ranks[:8]} and {len(ranks) - 8} more"
 
 
-def _manifest_agrees(manifest: Manifest, source: Source, where: Path) -> None:
+def _manifest_agrees(manifest: Manifest, source: Source, where: object) -> None:
     entries = source.entries()
     for name, e in manifest.entries.items():
         entry = entries.get(e.checkpoint_key)
@@ -416,13 +443,21 @@ def _pair(
                  conv, values)  # fmt: skip
 
 
-def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
+def _load_dcp(
+    w: _Work, group: Any, comm: Comm, before_writing: Callable[[], None] | None = None
+) -> None:
     """DCP loads into the live tensors in place, each into its paired checkpoint entry.
 
     The state dict handed to DCP is built from the pairs: each live tensor (a model tensor from
     ``get_model_state_dict``, an optimizer state tensor from ``get_optimizer_state_dict``) at
     its checkpoint entry's own path, so the checkpoint's nesting and spelling (``model.``,
     ``optimizer.state.<fqn>.<name>``, ``_forward_module.``, integer ids) never matter.
+
+    Every rank checks everything it will read before any rank writes a byte (NOTE: [check
+    before writing] in ``sources/safe_reader``): a load refused there leaves the model as it
+    was. A checkpoint of several parts is checked part by part, so a later part refused leaves
+    the earlier ones loaded, and the error names them; a failure while writing names the keys
+    that were written.
     """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
@@ -442,12 +477,22 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
         if item.key in tied or isinstance(item.value, Target):
             continue  # the same tensor as the parameter it is tied to; loaded converted
         _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
+    loaded: list[str] = []  # the parts loaded whole, and their keys
     for i, (where, state) in enumerate(zip(w.info.parts, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
         # from a part still takes part in its collectives).
         part = parts[i]
         # The metadata parsed when opening (not read again), checked as it was then.
-        reader = part.dcp_reader() if isinstance(part, DCPSource) else SafeFileSystemReader(where)
+        reader = (
+            part.dcp_reader()
+            if isinstance(part, DCPSource)
+            else SafeFileSystemReader(cast(Path, where))
+        )
+        reader.agree = lambda check: agree(comm, check, "the check before writing into the model")
+        if i == 0:
+            reader.before_writing = (
+                None if before_writing is None else lambda: agree(comm, before_writing, "sentinel")
+            )
         try:
             dcp_load(
                 state,
@@ -462,7 +507,12 @@ def _load_dcp(w: _Work, group: Any, comm: Comm) -> None:
             lost = comm.lost_rank(exc, f"load (DCP reading {where})")
             if lost is not None:
                 raise lost from None
-            raise CheckpointError(f"loading {where} failed: {_first_failure(exc)}") from None
+            left = _what_was_written(exc, loaded, comm.world)
+            raise CheckpointError(
+                f"loading {where} failed: {_first_failure(exc)}; {left}"
+            ) from None
+        keys = sorted(_flat_keys(state))
+        loaded.append(f"{where.name} ({len(keys)} keys: {_few_keys(keys)})")
     for part, msd in zip(w.parts, w.msds):
         set_model_state_dict(part, msd)
     if w.osd is not None:
@@ -483,9 +533,45 @@ def _set_hparams(w: _Work) -> None:
                 groups[g.index][name] = saved[entry.key]
 
 
+def _what_was_written(exc: BaseException, loaded: list[str], world: int) -> str:
+    """What a failed DCP load left in the model, in words the same on every rank."""
+    from fsdpcheck.sources.safe_reader import PartlyWrittenError
+
+    _, cause = root_cause(exc)
+    if isinstance(cause, PartlyWrittenError):  # its message names what that rank wrote
+        said = "the model is partly overwritten"
+        if world > 1:
+            said = f"the ranks that did not fail wrote all of theirs: {said}"
+    elif not loaded:
+        return "nothing was written into the model (it is as it was)"
+    else:
+        said = "nothing of it was written into the model"
+    if loaded:
+        said += f"; loaded before it (so the model is partly overwritten): {'; '.join(loaded)}"
+    return said + "; load again once the checkpoint is repaired"
+
+
+def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out += _flat_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _few_keys(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
+    from fsdpcheck.sources.safe_reader import NothingWrittenError
+
     rank, cause = root_cause(exc)
+    if isinstance(cause, NothingWrittenError):  # agreed by every rank: it names the rank
+        return describe_error(cause)
     return (f"on rank {rank}: " if rank is not None else "") + describe_error(cause)
 
 
