@@ -221,3 +221,12 @@ def test_pipeline_parts_with_hooks_are_one_model(tmp_path):
     r = fsdpcheck.verify([first, second], ref)
     assert r.ok, str(r)
     assert fsdpcheck.fingerprint([first, second]) == fsdpcheck.fingerprint_checkpoint(ref)
+
+
+def test_loaded_through_its_hooks_with_sentinels_leaves_nothing_unwritten(tmp_path):
+    """Sentinels go in first, then the converted pieces: every element written, none left."""
+    ref = saved(Net(seed=0), tmp_path / "m.safetensors")
+    model = Net(seed=1)
+    r = fsdpcheck.load(model, ref, sentinel=True)
+    assert r.ok, str(r)
+    assert fsdpcheck.fingerprint(model) == fsdpcheck.fingerprint(Net(seed=0))
