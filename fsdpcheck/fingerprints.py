@@ -160,10 +160,9 @@ def _fingerprint_report(
     live = None
     error = None
     try:
-        if convert is None:
-            from fsdpcheck.convert.declared import declared_conversion
+        from fsdpcheck.convert.declared import stated_or_declared
 
-            convert = declared_conversion(model_or_state_dict)
+        convert = stated_or_declared(model_or_state_dict, convert)
         live = live_state(model_or_state_dict, optimizer)
     except Exception as exc:  # never leave the other ranks waiting in the agreement below
         error = describe_error(exc)
@@ -175,7 +174,9 @@ def _fingerprint_report(
         return result
     assert live is not None
     if convert is not None:
-        return _converted_fingerprints(comm, ks, live, convert, result)
+        converted = _converted_fingerprints(comm, ks, live, convert, result)
+        if converted is not None:
+            return converted
     result.tied = dict(ks.live.tied)
     result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
@@ -237,13 +238,14 @@ def _fingerprint_report(
 
 def _converted_fingerprints(
     comm: Any, ks: Any, live: Any, convert: Any, result: FingerprintResult
-) -> FingerprintResult:
+) -> FingerprintResult | None:
     """``fingerprint`` through a conversion: the parts of the targets each rank holds, hashed.
 
     Every rank compiles the conversion from the job's names and global shapes (the same
     everywhere, or the same error everywhere), hashes the parts of each target its shards hold
     at the target's global indices, and the sums are combined as for any key: a target's
-    fingerprint is that of the converted tensor.
+    fingerprint is that of the converted tensor. None: the model's declared layout is the
+    live one (nothing to convert).
     """
     from fsdpcheck.collectives import combine, gather_findings
     from fsdpcheck.layout import Meta
@@ -252,6 +254,7 @@ def _converted_fingerprints(
         compile_for_live,
         local_parts,
         source_layouts,
+        tied_targets,
     )
     from fsdpcheck.reading.plan import cast_as, kernel_box
     from fsdpcheck.stats import KeyStats
@@ -261,15 +264,21 @@ def _converted_fingerprints(
     except Exception as exc:  # compiled from agreed names: every rank fails alike
         result.findings = [Finding("*", "error", describe_error(exc))]
         return result
+    if conv is None:
+        return None
     local: list[Finding] = [Finding(k, kind, msg) for k, kind, msg in live.problems]
     broken = conv.target_problems()
     for name, why in broken.items():
         local.append(Finding(name, "gap", why))
     values = live.tensors()
     state = {k: v for k, v in ks.live.tensors().items() if k.startswith("optim.state.")}
-    keys = sorted(set(conv.targets) | set(state))
+    # A tied duplicate is listed once, under its first name (as without a conversion).
+    tied = tied_targets(conv, ks.live.tied)
+    keys = sorted((set(conv.targets) - set(tied)) | set(state))
     result.metas = {k: state[k] for k in state}
-    result.metas.update({k: Meta(t.shape, t.dtype) for k, t in conv.targets.items()})
+    result.metas.update(
+        {k: Meta(t.shape, t.dtype) for k, t in conv.targets.items() if k not in tied}
+    )
     stats = [KeyStats() for _ in keys]
     shapes = {k: v[0] for k, v in conv.sources.items()}
     cache: dict[str, Any] = {}

@@ -37,7 +37,7 @@ from fsdpcheck.collectives import (
     same_everywhere,
 )
 from fsdpcheck.convert import Conversion, Piece, Target
-from fsdpcheck.convert.declared import declared_conversion
+from fsdpcheck.convert.declared import stated_or_declared
 from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.errors import describe_error
 from fsdpcheck.kernels import compare_each
@@ -150,8 +150,11 @@ def verify(
             Conversion). Every rank compiles it from the job's names and global shapes, once,
             without running it on data, and compares the parts of the converted tensors its
             shards hold; findings are in the reference's names and indices, with the live
-            key, index and rank of each maximum. None: the model's own declared conversion
-            (``fsdpcheck.convert.declared``), if any.
+            key, index and rank of each maximum. A model whose modules have state-dict hooks
+            of their own (torchtitan's ``FusedQKVLinear``) is read as it is held and its
+            hooks come first, traced on meta copies. None: the layout the model declares
+            (``fsdpcheck.convert.declared``: its state dict's, or a layout its library saves,
+            whichever names the reference holds), if any.
 
     Returns:
         The Report, identical on every rank.
@@ -162,8 +165,7 @@ def verify(
     live, source, ckpt, error = None, None, None, None
     with cyclic_gc_paused():
         try:
-            if convert is None:
-                convert = declared_conversion(model)
+            convert = stated_or_declared(model, convert)
             live = live_state(model, optimizer)
         except Exception as exc:  # whatever happens here, every rank reaches the agreement below
             error = describe_error(exc)
@@ -338,6 +340,7 @@ def _prepare(
         # The same on every rank: compiled from the job's names and global shapes.
         other = set(ckpt.model) | {r.key for r in ckpt.rows}
         conv = compile_for_live(convert, ks.live, other, buffer_names(live))
+    if conv is not None:
         job = converted_state(ks.live, conv)
         extra, rows = coverage(conv)
     m = matching.match_live(
