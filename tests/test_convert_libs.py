@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,20 +60,23 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     def get(name: str) -> Any:
         if name not in cache:
+            # Every library is checked before the folder exists, so that a missing one skips
+            # each test that needs it (not only the first) and a failed build fails each one
+            # with its own error rather than "File exists".
+            _needs(*{"torchtune": ("torchtune", "transformers"),
+                     "litgpt": ("litgpt", "transformers")}.get(name, ("transformers",)))  # fmt: skip
             folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             if name == "torchtune":
                 got = _tune(folder)
                 cache[name] = {k: ("results", v) for k, v in got.items()}
             elif name == "litgpt":
-                _needs("litgpt", "transformers")
                 a, b = cl.litgpt_cases(folder)
                 cache[name] = {a.name: a, b.name: b}
             elif name == "gpt2":
-                _needs("transformers")
                 cache[name] = {"gpt2-linear": cl.gpt2_linear(folder)}
             elif name == "mixtral":
-                _needs("transformers")
                 cache[name] = {"mixtral": cl.mixtral_case(folder)}
         return cache[name]
 
