@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from fsdpcheck.formats.ds_universal import is_universal_zero
 from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
+
+if TYPE_CHECKING:
+    from fsdpcheck.sources.dcp import Verdicts
 
 __all__ = [
     "Entry",
@@ -33,7 +36,7 @@ __all__ = [
 ]
 
 
-def open_source(reference: Any) -> Source:
+def open_source(reference: Any, *, trust: Verdicts | None = None) -> Source:
     """Opens a reference of any supported kind.
 
     Args:
@@ -42,6 +45,9 @@ def open_source(reference: Any) -> Source:
             Lightning, Hugging Face folder or index, DeepSpeed, megatron-core, torch.save file,
             safetensors); a mapping of full tensors; a full nn.Module; or a list/tuple of any of
             these, read as one (their keys must not collide).
+        trust: The verdicts of another process's check, which the DCP directories opened take
+            in order, or an empty ``Verdicts`` that records this process's
+            (``fsdpcheck.opening``: the metadata checked once per job).
 
     Returns:
         The Source.
@@ -58,7 +64,7 @@ def open_source(reference: Any) -> Source:
         parts: list[Source] = []
         try:
             for r in reference:
-                parts.append(open_source(r))
+                parts.append(open_source(r, trust=trust))
         except BaseException:
             for s in parts:
                 s.close()
@@ -73,7 +79,7 @@ def open_source(reference: Any) -> Source:
     sources: list[Source] = []
     try:
         for i in range(len(info.parts)):
-            sources.append(open_part(info, i))
+            sources.append(open_part(info, i, trust=trust))
     except BaseException:
         for s in sources:
             s.close()
@@ -93,17 +99,18 @@ def checkpoint_notes(source: Source) -> list[str]:
     return out
 
 
-def open_part(info: CheckpointInfo, index: int) -> Source:
+def open_part(info: CheckpointInfo, index: int, *, trust: Verdicts | None = None) -> Source:
     """Part `index` of a recognised checkpoint, knowing its layout and role (its key grammar)."""
-    source = open_path(info.parts[index])
+    source = open_path(info.parts[index], trust=trust)
     source.checkpoint, source.role = info, info.roles[index]
     return source
 
 
-def open_path(path: Path) -> Source:
+def open_path(path: Path, *, trust: Verdicts | None = None) -> Source:
     """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file.
 
     Also a ``*.bin.index.json``, and torch's HuggingFaceStorageWriter shards (a folder or a file).
+    `trust`: as for `open_source` (DCP directories only).
     """
     from fsdpcheck.sources import bin_index, hf_storage
 
@@ -118,7 +125,7 @@ def open_path(path: Path) -> Source:
     if path.is_dir():
         from fsdpcheck.sources.dcp import DCPSource
 
-        return DCPSource(path)
+        return DCPSource(path, verdicts=trust)
     from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 
     if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
