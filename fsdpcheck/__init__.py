@@ -19,6 +19,8 @@ _EXPORTS = {
     "CheckpointKindError": "fsdpcheck.errors",
     "FsdpcheckError": "fsdpcheck.errors",
     "RankStoppedError": "fsdpcheck.errors",
+    "RanksDisagreeError": "fsdpcheck.errors",
+    "ConcurrentCallError": "fsdpcheck.errors",
     "prefix_rules": "fsdpcheck.matching",
     "load": "fsdpcheck.loading",
     "save": "fsdpcheck.saving",
@@ -52,6 +54,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointKindError",
+    "ConcurrentCallError",
     "Finding",
     "FingerprintError",
     "FsdpcheckError",
@@ -59,6 +62,7 @@ __all__ = [
     "ManifestError",
     "MappingRow",
     "RankStoppedError",
+    "RanksDisagreeError",
     "ReplicaWatch",
     "Report",
     "TensorDiff",
@@ -102,10 +106,12 @@ if TYPE_CHECKING:
     from fsdpcheck.errors import (
         CheckpointError,
         CheckpointKindError,
+        ConcurrentCallError,
         FingerprintError,
         FsdpcheckError,
         ManifestError,
         RankStoppedError,
+        RanksDisagreeError,
         VerificationError,
     )
     from fsdpcheck.fingerprints import check_replicas, fingerprint, fingerprint_checkpoint

@@ -118,7 +118,7 @@ class VerificationError(FsdpcheckError, AssertionError):
         Exception.__init__(self, message)  # the report is rendered already (lines kept)
 
 
-#: Exception types ``agree`` raises as themselves on every rank, by name (others become
+#: Exception types ``dist.runner`` raises as themselves on every rank, by name (others become
 #: RuntimeError): fsdpcheck's own and the standard ones a message already explains.
 REGISTRY: dict[str, type[Exception]] = {
     t.__name__: t

@@ -187,7 +187,7 @@ def session(timeout: float | None = None) -> Iterator[Session]:
             ones that did not answer (default ``TIMEOUT_S``), and at most for the others to join.
 
     Raises:
-        RuntimeError: The processes did not all join within the deadline (one line naming the
+        OfflineError: The processes did not all join within the deadline (one line naming the
             launcher's variables).
     """
     import torch.distributed as dist
@@ -219,9 +219,12 @@ def _rendezvous(seconds: float) -> None:
     env = os.environ
     joining = min(seconds, RENDEZVOUS_S)
     try:
-        store, rank, world = next(
-            dist.rendezvous("env://", timeout=datetime.timedelta(seconds=joining))
-        )
+        # torch's C++ side logs every retry to the process's stderr: a page per attempt, where
+        # the failure is one line (below).
+        with _quiet_stderr():
+            store, rank, world = next(
+                dist.rendezvous("env://", timeout=datetime.timedelta(seconds=joining))
+            )
         store.set_timeout(datetime.timedelta(seconds=seconds))
         dist.init_process_group(
             "gloo",
@@ -232,10 +235,31 @@ def _rendezvous(seconds: float) -> None:
         )
     except Exception as exc:
         said = " ".join(f"{k}={env.get(k, '')}" for k in LAUNCH_ENV)
-        raise RuntimeError(
+        raise OfflineError(
             f"could not join the launch ({said}) within {joining:g} s: "
             f"{_first_line(exc)}; unset these variables to run as one process"
         ) from None
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null inside (C++ writes there directly)."""
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to quiet
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -19,7 +19,8 @@ deadline and ``_ANSWER_S`` s.
 
 The store itself may be the one that stopped (it lives in rank 0 under a plain
 ``init_process_group``): TCPStore's ``add`` then waits with no timeout at all, so every store
-call here is made from a helper thread (``_Line``) and abandoned after ``_STORE_S`` s.
+call here is made from a helper thread (``_Line``) and abandoned after a second or a few
+(``_STORE_S`` at most).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ _ANSWER_S = 5.0
 _STORE_S = 5.0
 _DEFAULT_S = 1800.0
 _HEARD = "another rank reported it"
+_LATE = "no answer within"
 # Failures seen per group in this process (each failure's answers get fresh store keys).
 _EPOCH: dict[int, int] = {}
 _TRANSPORT_WORDS = (
@@ -268,9 +270,12 @@ class Comm:
         key = self._key()
         try:
             store = self._store()
-            return int(_line(self._pg()).run(lambda: store.add(key, 0), _STORE_S))
+            return int(_line(self._pg()).run(lambda: store.add(key, 0), self._store_s()))
         except Exception:  # the store is gone or silent: nothing to learn from it
             return 0
+
+    def _store_s(self) -> float:
+        return min(_STORE_S, max(1.0, self.timeout / 4))
 
     def _where(self, op: str, step: str) -> str:
         if self.entry:
@@ -283,7 +288,7 @@ class Comm:
         if isinstance(exc, _PeerReported):
             cause = _HEARD
         elif isinstance(exc, _NoAnswer) or "timed out" in str(exc).lower():
-            cause = f"no answer within {_seconds(self.timeout)}"
+            cause = f"{_LATE} {_seconds(self.timeout)}"
         else:
             cause = _cause(exc)
         key = self._key()
@@ -291,8 +296,11 @@ class Comm:
         window = min(_ANSWER_S, max(2.0, self.timeout / 4))
         try:
             store = self._store()
-            return _line(self._pg()).run(
-                lambda: self._answers(store, key, what, cause, window), 2 * window + _STORE_S
+            line = _line(self._pg())
+            line.run(lambda: store.add(key, 0), self._store_s())  # does the store answer?
+            return line.run(
+                lambda: self._answers(store, key, what, cause, window),
+                2 * window + self._store_s(),
             )
         except Exception:  # the store went (or stopped) with the rank that hosts it
             return RankStoppedError(_store_lost(what, cause, self._store_host()))
@@ -309,8 +317,10 @@ class Comm:
             bytes(store.get(f"{key}/{r}")).decode(errors="replace").partition("\0")
             for r in answered
         ]
-        # Worded from the lowest rank whose own collective failed (others only heard).
-        what, _, cause = min(reports, key=lambda w: w[2] == _HEARD)
+        # Worded from the lowest rank whose own wait ran out (a rank that times out closes its
+        # connections, so the others may fail with "connection reset" because of it); else
+        # from the lowest whose own collective failed (others only heard).
+        what, _, cause = min(reports, key=lambda w: (w[2] == _HEARD, not w[2].startswith(_LATE)))
         silent = [r for r in range(self.world) if r not in answered]
         if not silent:  # every rank answered: a failure, but not a rank that went away
             said = f"failed\0a collective failed during {what}: {cause}"
@@ -411,9 +421,11 @@ def _group_rank(group: Any, global_rank: int) -> int | None:
 
 def _store_lost(what: str, cause: str, host: int | None) -> str:
     if host is not None:
+        # No cause: without the store the ranks cannot agree on one, and each saw its own (its
+        # deadline, or a connection another rank's deadline closed).
         return (
-            f"rank {host} stopped answering during {what} ({cause}); it hosts the group's "
-            "rendezvous store, which stopped answering too"
+            f"rank {host} stopped answering during {what}; it hosts the group's rendezvous "
+            "store, which stopped answering too"
         )
     return (
         f"a rank stopped answering during {what} ({cause}), and the group's rendezvous store "
