@@ -110,8 +110,8 @@ if TYPE_CHECKING:
         FingerprintError,
         FsdpcheckError,
         ManifestError,
-        RankStoppedError,
         RanksDisagreeError,
+        RankStoppedError,
         VerificationError,
     )
     from fsdpcheck.fingerprints import check_replicas, fingerprint, fingerprint_checkpoint

@@ -285,3 +285,17 @@ def dense_inner(t: torch.Tensor) -> torch.Tensor | None:
         and (tuple(x.shape), x.dtype, x.device) == (tuple(t.shape), t.dtype, t.device)
     ]
     return same[0] if len(same) == 1 else None
+
+
+def fsspec_writer(path: str, **storage_options: Any) -> Any:
+    """DCP's storage writer through fsspec (``s3://`` and any URL fsspec knows).
+
+    torch exports it from ``torch.distributed.checkpoint`` in some releases only; 2.13 keeps
+    it in the private ``_fsspec_filesystem``. `storage_options` go to fsspec (the default:
+    fsspec's configuration and the store library's environment).
+    """
+    try:
+        from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined]
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    return FsspecWriter(path, **storage_options)

@@ -15,6 +15,7 @@ never a callable named by the file.
 from __future__ import annotations
 
 import collections
+import enum
 import io
 import os
 import pathlib
@@ -55,6 +56,23 @@ ADMITTED: dict[str, frozenset[str]] = {
     "collections": frozenset({"OrderedDict"}),
     "builtins": frozenset({"set", "frozenset"}),
 }
+#: The admitted enum classes and their members' names.
+#:
+#: NOTE: [enum members by name] CPython 3.11.0-3.11.3 (Debian 12's ``python3`` is 3.11.2)
+#: pickles an enum member as ``getattr(EnumClass, "NAME")`` (its ``Enum.__reduce_ex__``); the
+#: versions before and after pickle it by value, ``EnumClass(value)``. A metadata file written
+#: there names ``builtins.getattr``, which is admitted for exactly this: its first argument must
+#: be one of these classes and its second one of that class's members' names; any other call of
+#: it is refused. The names are listed here (not read from the class) because the planner's
+#: enum is mirrored by an opaque record that has no members (NOTE: [DCP-free metadata]).
+ENUM_MEMBERS: dict[tuple[str, str], frozenset[str]] = {
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): frozenset(
+        {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"}
+    ),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): frozenset(
+        {"TENSOR", "SHARD", "BYTE_IO"}
+    ),
+}
 # pathlib paths (StorageMeta.checkpoint_id) become pure paths: no filesystem access, and a
 # WindowsPath written on Windows still loads elsewhere.
 _PATHS = {
@@ -88,6 +106,10 @@ def admitted_global(
     Raises:
         UnsafePickleError: Anything else (nothing is imported).
     """
+    if module == "__builtin__":
+        # Protocols 0-2 name the builtins by their Python 2 module (pickle's fix_imports maps
+        # it back when loading): set, frozenset and getattr written by pickle.dump(protocol=2).
+        module = "builtins"
     if module == "torch":
         if name == "Size":
             return torch.Size
@@ -98,6 +120,8 @@ def admitted_global(
         return _get_layout
     elif module in ("pathlib", "pathlib._local") and name in _PATHS:
         return _PATHS[name]
+    elif module == "builtins" and name == "getattr":
+        return _EnumMember(what, resolve)
     elif name in ADMITTED.get(module, ()):
         if resolve is not None and module not in ("collections", "builtins"):
             return resolve(module, name)
@@ -106,6 +130,46 @@ def admitted_global(
         f"{what} names {module}.{name}, which is not one of the classes a checkpoint's "
         "metadata is made of; refusing to load it (nothing from the file was run)"
     )
+
+
+class _EnumMember:
+    """``builtins.getattr`` as a pickle may call it: an admitted enum's member, by name, only.
+
+    See NOTE: [enum members by name]. Called by the pickle's REDUCE with the class (itself an
+    admitted global, resolved as every other one) and the name; anything else is refused.
+    """
+
+    def __init__(self, what: str, resolve: Callable[[str, str], Any] | None) -> None:
+        self.what, self.resolve = what, resolve
+        self.classes: dict[int, tuple[str, str]] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.classes is None:  # the admitted enum classes, as this reader resolves them
+            self.classes = {
+                id(admitted_global(m, n, self.what, self.resolve)): (m, n) for m, n in ENUM_MEMBERS
+            }
+        cls: Any = args[0] if len(args) == 2 else None
+        name: Any = args[1] if len(args) == 2 else None
+        which = self.classes.get(id(cls)) if cls is not None else None
+        if which is None or type(name) is not str or name not in ENUM_MEMBERS[which]:
+            raise UnsafePickleError(
+                f"{self.what} calls builtins.getattr on {_named(cls, args)}, which is not a "
+                "member of one of the enums a checkpoint's metadata holds; refusing to load it "
+                "(nothing from the file was run)"
+            )
+        if isinstance(cls, enum.EnumMeta):
+            return cls[name]  # a member lookup: never an attribute of the class
+        return cls(name)  # an opaque mirror of an enum (kept, never interpreted)
+
+
+def _named(cls: Any, args: tuple[Any, ...]) -> str:
+    """What a refused getattr call was given, in a few words (nothing from the file raw)."""
+    if len(args) != 2:
+        return f"{len(args)} argument(s)"
+    what = getattr(cls, "__qualname__", None) if isinstance(cls, type) else None
+    name = args[1]
+    shown_name = repr(name)[:60] if isinstance(name, str) else type(name).__name__
+    return f"({what or type(cls).__name__}, {shown_name})"
 
 
 _BUILTINS: dict[tuple[str, str], Any] = {

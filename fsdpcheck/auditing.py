@@ -15,8 +15,9 @@ from fsdpcheck.manifest import MANIFEST_NAME, read_manifest
 from fsdpcheck.names import optim_key
 from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.saving import stale_reason
-from fsdpcheck.sources import open_part
+from fsdpcheck.sources import open_dcp, open_part
 from fsdpcheck.sources.base import Entry
+from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 if TYPE_CHECKING:
@@ -65,16 +66,18 @@ def audit(
     notes: list[str] = list(info.notes)
     checked = 0
     whole = CheckpointKeys()
+    values = [0, 0]  # --deep: tensors whose values were checked against a fingerprint, and not
     for index, part in enumerate(info.parts):
         prefix = "" if len(info.parts) == 1 else part.name + "/"
         try:
             if is_dcp_dir(part):
                 n, keys = _audit_dcp(
-                    part, findings, notes, deep, prefix, grammar_of(info.layout),
-                    info.roles[index], session,
+                    part, findings, notes, deep, prefix, grammar_of(info.layout), info.roles[index],
+                    values, session,
                 )  # fmt: skip
             else:
                 n, keys = _audit_file(info, index, findings, prefix)
+                values[1] += n
             checked += n
             merge_into(whole, keys)
         except Exception as exc:  # a checkpoint too broken to read is a finding about it
@@ -82,29 +85,49 @@ def audit(
     _audit_optimizer(whole, findings, notes, grammar_of(info.layout).step_per_parameter)
     return Report(
         findings=normalized(findings),
-        reference=f"the structure of {info.path} ({info.layout})",
+        reference=f"the structure of {info.path} ({info.layout}){_deep_words(deep, *values)}",
         keys_checked=checked,
         seconds=time.perf_counter() - t0,
         notes=notes,
     )
 
 
+def _deep_words(deep: bool, checked: int, unchecked: int) -> str:
+    """What --deep checked, in words for the verdict line.
+
+    An OK never reads as "values verified" when no value was checked (a checkpoint without a
+    manifest, or whose manifest holds no fingerprints).
+    """
+    if not deep:
+        return ""
+    if not checked:
+        return (
+            " only: --deep checked no value (no fsdpcheck manifest holds fingerprints to check "
+            "them against; fsdpcheck.save writes one)"
+        )
+    if unchecked:
+        return (
+            f" and the values of {checked} tensor(s) against the manifest's fingerprints "
+            f"({unchecked} without one: not checked)"
+        )
+    return f" and the values of all {checked} tensor(s) against the manifest's fingerprints"
+
+
 def _audit_dcp(
-    p: Path,
+    p: Path | RemotePath,
     findings: list[Finding],
     notes: list[str],
     deep: bool,
     prefix: str,
     grammar: KeyGrammar,
     role: str,
+    values: list[int],
     session: Session | None = None,
 ) -> tuple[int, CheckpointKeys]:
     # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata), and
     # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_pickle), whose check
     # gives the structural findings and whose source reads the data for --deep.
-    from fsdpcheck.sources.dcp import DCPSource
-
-    source = DCPSource(p)
+    source = open_dcp(p)
     try:
         index, check = source.index, source.storage_problems
         assert check is not None
@@ -115,15 +138,19 @@ def _audit_dcp(
             for k, key in enumerate(index.keys)
         }
         keys = keys_from_entries(entries, grammar=grammar, role=role)
+        fingerprinted = 0
         try:
-            _audit_manifest(p, source, findings, notes, deep, prefix, session)
+            fingerprinted = _audit_manifest(p, source, findings, notes, deep, prefix, session)
         except Exception as exc:  # a malformed manifest is a finding about the manifest
             findings.append(
                 Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc))
             )
     finally:
         source.close()
-    return sum(index.tensor), keys
+    tensors = sum(index.tensor)
+    values[0] += fingerprinted
+    values[1] += max(0, tensors - fingerprinted)
+    return tensors, keys
 
 
 def _audit_optimizer(
@@ -185,25 +212,30 @@ def _audit_optimizer(
 
 
 def _audit_manifest(
-    p: Path,
+    p: Path | RemotePath,
     source: Any,
     findings: list[Finding],
     notes: list[str],
     deep: bool,
     prefix: str,
     session: Session | None = None,
-) -> None:
+) -> int:
+    """Checks the manifest against the metadata (and, `deep`, the data).
+
+    Returns:
+        How many tensors' values were checked against a fingerprint.
+    """
     manifest = read_manifest(p)  # validated: a malformed one raises ManifestError (one line)
     if manifest is None:
         unchecked = " (--deep: no fingerprint to check the data against)" if deep else ""
         notes.append(
             f"{prefix or p.name}: no fsdpcheck manifest (saved without fsdpcheck.save){unchecked}"
         )
-        return
+        return 0
     stale = stale_reason(p, manifest, {p: source.metadata_digest})
     if stale is not None:  # its entries describe another save: comparing them only misleads
         findings.append(Finding(prefix + MANIFEST_NAME, "error", stale))
-        return
+        return 0
     saved = source.entries()
     listed = set()
     for key, e in manifest.entries.items():
@@ -239,10 +271,10 @@ def _audit_manifest(
                     prefix + MANIFEST_NAME,
                     "skipped",
                     "the manifest holds no fingerprints: --deep checked no value (only the "
-                    "structure was checked)",
+                    "structure was checked); save the checkpoint with fsdpcheck.save to have them",
                 )
             )
-            return
+            return 0
         if len(expected) < len(manifest.entries):
             notes.append(
                 f"{prefix or p.name}: {len(manifest.entries) - len(expected)} manifest "
@@ -253,6 +285,8 @@ def _audit_manifest(
         findings.extend(
             fingerprints_differ(expected, {k: actual[k] for k in actual if k in expected})
         )
+        return len(expected)
+    return 0
 
 
 def _audit_file(

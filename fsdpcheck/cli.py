@@ -17,18 +17,24 @@ torch.distributed.launch, accelerate launch, deepspeed) started it, or with --di
 by a training job's own code (which inherits RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) runs
 alone and says so on stderr.
 
-Exit codes: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input. Errors are
+Exit codes (the verdict, and nothing else): 0 the check completed and passed; 1 a mismatch or
+finding; 2 bad usage or unreadable input; 130 / 143 interrupted by SIGINT / SIGTERM. Errors are
 one line on stderr (--debug adds the traceback; the exit code stays the same); with --json,
-stdout is valid JSON in every case.
+stdout is one valid JSON document in every case, usage errors and interruptions included. A
+reader that leaves early (``| head``) never changes the exit code; a report that cannot be
+written (a full disk, a closed stdout) turns a pass into 2 and leaves a finding 1, with one line
+on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -38,38 +44,207 @@ from fsdpcheck.errors import shown
 from fsdpcheck.report import render
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
 #: Commands that split their reading over the processes of a torchrun launch.
 SPREAD = ("compare", "fingerprint", "audit")
 T = TypeVar("T")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where SIGINT raises KeyboardInterrupt (so every handler of one sees both).
+
+    Installed by `run` only (a process that exists for the command).
+    """
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+class _Usage(Exception):
+    """Bad usage (argparse's complaint), in one line, and the command it is about."""
+
+    def __init__(self, message: str, prog: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # bad usage: one line, exit 2
-        self.print_usage(sys.stderr)
-        print(f"fsdpcheck: error: {shown(message)}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise _Usage(f"{shown(message)} ({self.prog} --help shows the usage)", self.prog)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            raise _Usage(shown(message.strip()), self.prog)
+        raise SystemExit(status)
+
+    def print_help(self, file: Any = None) -> None:
+        if _state.json and file is None:  # --help --json: the help as one JSON document
+            _state.out.document({"ok": True, "help": self.format_help(), "exit_code": EXIT_OK})
+            return
+        super().print_help(file)
+
+
+class _Stream(io.TextIOBase):
+    """A command's stdout or stderr: what cannot be written is recorded, never raised.
+
+    NOTE: [lost output] An output failure is not the verdict: a reader that left (``| head``,
+    EPIPE) or a full disk (ENOSPC) must neither turn a FAILED into 0 (the old mapping of a
+    closed pipe to 0) nor cut the check short with a traceback. Writes after the first failure
+    are dropped; `main` decides the exit code from the verdict and what was lost.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self.stream = stream
+        # Why output is lost: None (it is not), or the error (None stream: "closed").
+        self.lost: BaseException | None = None if stream is not None else _Closed()
+
+    def write(self, text: str) -> int:
+        if self.lost is None:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+                self._lose(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lost is None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as exc:
+                self._lose(exc)
+
+    def _lose(self, exc: BaseException) -> None:
+        self.lost = exc
+        # Nothing more reaches the descriptor: a broken pipe or a full disk answers every
+        # later write the same way, and a child process (the demo's ranks) writes there too.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+    @property
+    def pipe_closed(self) -> bool:
+        """The reader left (EPIPE): what it did not read, it did not want."""
+        return isinstance(self.lost, BrokenPipeError)
+
+    def isatty(self) -> bool:
+        try:
+            return self.lost is None and bool(self.stream.isatty())
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def fileno(self) -> int:
+        return int(self.stream.fileno())
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self.stream, "encoding", None) or "utf-8")
+
+    def document(self, obj: Any) -> None:
+        """Writes one whole JSON document (signals held until it is out, so never half)."""
+        _state.json_done = True
+        with _signals_held():
+            self.write(json.dumps(obj, indent=1) + "\n")
+            self.flush()
+
+
+class _Closed(OSError):
+    def __init__(self) -> None:
+        super().__init__(9, "stdout is closed")
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT / SIGTERM wait (pending) until the block is done: a JSON document is never cut."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (ValueError, OSError, AttributeError):  # not the main thread, or no such call
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _State:
+    """What one `main` call knows about its output (module state: one command per process)."""
+
+    def __init__(self) -> None:
+        self.json = False
+        self.out: _Stream = _Stream(None)
+        # A JSON document is complete on stdout (nothing more may be written there), or
+        # `json_open` completes the one being streamed, given (error, exit code).
+        self.json_done = False
+        self.json_open: Callable[[str, int], str] | None = None
+        # A process of a launch other than rank 0 (rank 0 speaks for them).
+        self.quiet = False
+
+
+_state = _State()
 
 
 def run() -> NoReturn:
     """The ``fsdpcheck`` console script and ``python -m fsdpcheck``: `main` in its own process."""
-    code = main(own_process=True)
-    if not _teardown_needed:
-        # The interpreter's teardown after importing torch (finalising its modules and objects)
-        # costs 70-115 ms here and does nothing a finished command needs: what it printed is
-        # flushed here, and its files are closed and its reader threads joined before main
-        # returns. The demo exits normally (multiprocessing's exit handlers tidy up after the
-        # ranks it spawned), as does any command that raised.
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (OSError, ValueError):  # the reader left (`| head`): nothing more to say
-            pass
-        os._exit(code)
+    try:
+        # SIGTERM as SIGINT: the command unwinds (the demo's ranks stopped, its files removed)
+        # and exits 143. Installed first: from here on, a signal is an exit code, not a trace.
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _reserve_std_fds()
+        code = main(own_process=True)
+    except Terminated:
+        code = EXIT_SIGTERM
+    except KeyboardInterrupt:
+        code = EXIT_SIGINT
+    try:
+        if not _teardown_needed:
+            # The interpreter's teardown after importing torch (finalising its modules and
+            # objects) costs 70-115 ms here and does nothing a finished command needs: what
+            # it printed is flushed here, and its files are closed and its reader threads
+            # joined before main returns. The demo exits normally (multiprocessing's exit
+            # handlers tidy up after the ranks it spawned), as does any command that raised.
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()
+            os._exit(code)
+    except Terminated:
+        os._exit(EXIT_SIGTERM)
+    except KeyboardInterrupt:
+        os._exit(EXIT_SIGINT)
     sys.exit(code)
 
 
 # Whether `run` must let the interpreter tear down normally (set by `main`).
 _teardown_needed = True
+
+
+def _reserve_std_fds() -> None:
+    """Opens /dev/null on a closed descriptor 0, 1 or 2 (``>&-``).
+
+    Otherwise the first file the command opens takes that number, and whatever writes to
+    "stdout" (a library's C code, a child process) would write into it.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+
+
+def _wants_json(argv: list[str]) -> bool:
+    """Whether the command line asks for --json (before parsing: for a usage error's output)."""
+    words = argv[: argv.index("--")] if "--" in argv else argv
+    return "--json" in words
 
 
 def main(argv: list[str] | None = None, *, own_process: bool = False, session: Any = None) -> int:
@@ -83,10 +258,85 @@ def main(argv: list[str] | None = None, *, own_process: bool = False, session: A
             spread over it instead of joining a launch.
 
     Returns:
-        The exit code: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input.
+        The exit code: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input (or
+        a passing report that could not be written), 130 / 143 interrupted (SIGINT / SIGTERM).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    global _state
+    _state = _State()
+    _state.json = _wants_json(argv)
+    out, err = _Stream(sys.stdout), _Stream(sys.stderr)
+    _state.out = out
+    command = next((a for a in argv if not a.startswith("-")), None)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # type: ignore[type-var]
+        try:
+            code = _main(argv, own_process, session)
+        except KeyboardInterrupt as exc:
+            code = _failed(command, exc, EXIT_SIGTERM if isinstance(exc, Terminated) else
+                           EXIT_SIGINT)  # fmt: skip
+        out.flush()
+        return _delivered(command, code, out)
+
+
+def _delivered(command: str | None, code: int, out: _Stream) -> int:
+    """The exit code once the report's delivery is known (NOTE: [lost output])."""
+    if out.lost is None or out.pipe_closed:
+        return code  # delivered, or the reader left: the verdict stands
+    if code == EXIT_OK:
+        code, verdict = EXIT_USAGE, "exit 2, though the check passed"
+    elif code == EXIT_FINDINGS:
+        verdict = "the check found problems (exit 1)"
+    else:
+        verdict = f"exit {code}"
+    why = getattr(out.lost, "strerror", None) or str(out.lost)
+    _complain(f"fsdpcheck{' ' + command if command else ''}: the report could not be written to "
+              f"stdout ({why}); {verdict}; send stdout where it can be written")  # fmt: skip
+    return code
+
+
+def _complain(line: str) -> None:
+    """One line on stderr, if stderr can take it."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _failed(command: str | None, exc: BaseException, code: int) -> int:
+    """Says why the command did not finish (one line; with --json, the JSON too): `code`."""
+    if _state.quiet:
+        return code  # a process of a launch other than rank 0: rank 0 says it
+    if isinstance(exc, KeyboardInterrupt):
+        name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+        message = f"interrupted by {name} before the check finished; nothing was concluded"
+    else:
+        message = str(exc) if isinstance(exc, _Usage) else _one_line(exc)
+    if isinstance(exc, _Usage):
+        _complain(f"{exc.prog}: error: {message}")
+    else:
+        _complain(f"fsdpcheck{' ' + command if command else ''}: {message}")
+    if _state.json and not _state.json_done:
+        closing = _state.json_open
+        _state.json_open = None
+        if closing is not None:  # a document is being streamed: it ends with the error
+            _state.json_done = True
+            with _signals_held():
+                _state.out.write(closing(message, code))
+                _state.out.flush()
+        else:
+            _state.out.document({"ok": False, "error": message, "exit_code": code})
+    return code
+
+
+def _main(argv: list[str], own_process: bool, session: Any = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command they were given to (argparse names the top level)
+            sub = parser if args.command is None else _subparser(parser, args.command)
+            sub.error(f"unrecognized arguments: {' '.join(extra)}")
+    except _Usage as exc:
+        return _failed(None, exc, EXIT_USAGE)
+    except SystemExit as exc:  # --help (printed), or argparse's own exit
+        return int(exc.code or 0) if isinstance(exc.code, int) or exc.code is None else EXIT_USAGE
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -110,24 +360,19 @@ def main(argv: list[str] | None = None, *, own_process: bool = False, session: A
             _launch(args) as rank,
             contextlib.redirect_stdout(None) if rank else contextlib.nullcontext(),
         ):
+            _state.quiet = rank != 0
             return int(args.run(args))
     except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        _quiet_stdout()  # `fsdpcheck ... | head`: the reader left; not an error
-        return EXIT_OK
+        raise
     except BaseException as exc:
         if isinstance(exc, SystemExit):
             raise
         if rank and not _lost_rank(exc):
             return EXIT_USAGE  # rank 0 says it (if it is the one that was lost, everyone does)
         if getattr(args, "debug", False):
-            traceback.print_exc()
-        message = _one_line(exc)
-        print(f"fsdpcheck {args.command}: {message}", file=sys.stderr)
-        if getattr(args, "json", False) and not rank:
-            print(json.dumps({"ok": False, "error": message, "exit_code": EXIT_USAGE}))
-        return EXIT_USAGE
+            with contextlib.suppress(OSError, ValueError):
+                traceback.print_exc()
+        return _failed(args.command, exc, EXIT_USAGE)
 
 
 @contextlib.contextmanager
@@ -201,14 +446,6 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:
         text = f"{exc.filename}: {text}"
     return shown(text)
-
-
-def _quiet_stdout() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -292,6 +529,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]  # type: ignore[no-any-return]
+    return parser
+
+
 def _launch_options(p: argparse.ArgumentParser) -> None:
     """Joining a launch (NOTE: [who joins a launch])."""
     p.add_argument(
@@ -364,13 +608,19 @@ def _tolerance(text: str) -> float:
 
 def _emit_report(args: argparse.Namespace, report: Any) -> int:
     if args.json:
-        print(report.to_json(indent=1))
+        _document(report.to_dict())
     else:
         lines = report.lines()
         if getattr(args, "show_mapping", False) and report.mapping:
             lines += ["mapping:", *report.mapping_lines()]
         _say(lines)
     return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+def _document(obj: Any) -> None:
+    """Prints one whole JSON document on stdout (rank 0's; see `_Stream.document`)."""
+    if sys.stdout is _state.out:
+        _state.out.document(obj)
 
 
 def _say(lines: list[str], file: Any = None) -> None:
@@ -383,13 +633,17 @@ def _say(lines: list[str], file: Any = None) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from fsdpcheck import demo
 
-    return demo.main(args.ranks, args.device)
+    if not args.json:
+        return demo.main(args.ranks, args.device)
+    summary = demo.summary(args.ranks, args.device)
+    _document(summary)
+    return int(summary["exit_code"])
 
 
 def _info(args: argparse.Namespace) -> int:
     from fsdpcheck.kernels import build_info
 
-    print(json.dumps(build_info(), indent=2))
+    _document(build_info())
     return EXIT_OK
 
 
@@ -415,7 +669,7 @@ def _fingerprint(args: argparse.Namespace) -> int:
         ),
     )
     if args.json:
-        print(json.dumps({k: f"{v:#018x}" for k, v in fps.items()}, indent=1))
+        _document({k: f"{v:#018x}" for k, v in fps.items()})
     else:
         names = [shown(k) for k in fps]
         width = max((len(n) for n in names), default=0)
@@ -475,14 +729,7 @@ def _inspect(args: argparse.Namespace) -> int:
         # Problems (a file missing, a tensor past its file's end) are findings: exit 1, as audit.
         code = EXIT_FINDINGS if info["problems"] else EXIT_OK
         if args.json:
-            head, tail = json.dumps(info, indent=1).split(json.dumps(info["tensors"]))
-            sys.stdout.write(head + ("[" if count else "[]"))
-            sep = "\n"
-            for t in tensors():
-                text = json.dumps(t, indent=1).replace("\n", "\n  ")
-                sys.stdout.write(f"{sep}  {text}")
-                sep = ",\n"
-            print(("\n ]" if count else "") + tail)
+            _stream_inspect(info, tensors, count)
             return code
         out = [f"{args.path}: {info['format']}", f"layout: {info['layout']} ({info['kind']})"]
         m = info["manifest"]
@@ -524,8 +771,50 @@ def _inspect(args: argparse.Namespace) -> int:
             if len(out) >= 4096:
                 _say(out)
                 out = []
+                if _state.out.lost is not None:
+                    break  # the reader left (`| head`): the rest would go nowhere
         _say(out)
     return code
+
+
+def _stream_inspect(
+    info: dict[str, Any], tensors: Callable[[], Iterator[dict[str, Any]]], count: int
+) -> None:
+    """`inspect --json`: the summary, its tensors written as they are made, one document.
+
+    Whatever stops it half way (an unreadable entry, an interruption) ends the document with
+    the error (`_State.json_open`), so stdout stays one valid JSON document.
+    """
+    out = _state.out
+    if sys.stdout is not out:
+        return  # not the process that prints
+    head, tail = json.dumps(info, indent=1).split(json.dumps(info["tensors"]))
+    written = [0]
+
+    def closing(error: str, exit_code: int) -> str:
+        end = ("\n ]" if written[0] else "]") if count else ""
+        fields = {"ok": False, "error": error, "exit_code": exit_code}
+        return (
+            end
+            + "".join(f",\n {json.dumps(k)}: {json.dumps(v)}" for k, v in fields.items())
+            + ("\n}\n")
+        )
+
+    out.write(head + ("[" if count else "[]"))
+    _state.json_open = closing
+    sep = "\n"
+    for t in tensors():
+        text = json.dumps(t, indent=1).replace("\n", "\n  ")
+        out.write(f"{sep}  {text}")
+        written[0] += 1
+        sep = ",\n"
+        if out.lost is not None:
+            break
+    _state.json_open = None
+    _state.json_done = True
+    with _signals_held():
+        out.write(("\n ]" if count else "") + tail + "\n")
+        out.flush()
 
 
 if __name__ == "__main__":

@@ -67,6 +67,13 @@ def _describe(report: Any) -> str:
 def _rank_main(rank: int, world: int, port: int, device: str, out: str) -> None:
     import torch.distributed as dist
 
+    from fsdpcheck._spawn import die_with_parent
+
+    die_with_parent()
+    # torch may make its compile cache folder (under the temporary directory) as a side effect:
+    # in the demo's own folder, it goes with it.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "inductor"))
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = "gloo"
@@ -241,6 +248,35 @@ def _unusable(world: int, device: str) -> str | None:
     return None
 
 
+def summary(world: int = 4, device: str = "cpu") -> dict[str, Any]:
+    """Runs the demo; its outcome as a JSON-serialisable dict (``fsdpcheck demo --json``).
+
+    Returns:
+        ``ok`` (every outcome as expected), ``exit_code`` (0 or 1), ``ranks``, ``device``,
+        ``backend``, ``seconds`` and ``outcomes`` (each row: scenario, expected, found, ok,
+        seconds).
+
+    Raises:
+        ValueError: The demo cannot run with these settings (one line).
+    """
+    t0 = time.perf_counter()
+    outcomes = run(world, device)
+    ok = all(o.ok for o in outcomes)
+    return {
+        "ok": ok,
+        "ranks": world,
+        "device": device,
+        "backend": _backend(world, device),
+        "outcomes": [asdict(o) for o in outcomes],
+        "seconds": time.perf_counter() - t0,
+        "exit_code": 0 if ok else 1,
+    }
+
+
+def _backend(world: int, device: str) -> str:
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
+
+
 def main(world: int = 4, device: str = "cpu") -> int:
     """Runs the demo, prints the table.
 
@@ -253,7 +289,7 @@ def main(world: int = 4, device: str = "cpu") -> int:
         print(f"fsdpcheck demo: {problem}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    backend = "nccl" if device == "cuda" and torch.cuda.device_count() >= world else "gloo"
+    backend = _backend(world, device)
     print(
         f"fsdpcheck demo: {world} ranks ({device}, {backend}). A small transformer (uneven and "
         "empty shards) trained with FSDP2 + AdamW, saved, reloaded on a 2D mesh, checked; then "

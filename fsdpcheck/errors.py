@@ -68,6 +68,14 @@ class CoverageError(CheckpointError):
     """
 
 
+class ObjectStoreError(CheckpointError):
+    """An object store failed a read (one line naming the object and what to do).
+
+    The object changed while it was read, is shorter than listed, or the store throttled,
+    failed or did not answer.
+    """
+
+
 class ManifestError(FsdpcheckError, ValueError):
     """A manifest that is not valid (the message names the file and the field)."""
 
@@ -125,6 +133,7 @@ REGISTRY: dict[str, type[Exception]] = {
     for t in (
         FileNotFoundError,
         FileExistsError,
+        ImportError,
         PermissionError,
         IsADirectoryError,
         NotADirectoryError,
@@ -132,6 +141,7 @@ REGISTRY: dict[str, type[Exception]] = {
         TypeError,
         CheckpointError,
         CoverageError,
+        ObjectStoreError,
         ManifestError,
         FingerprintError,
         CheckpointKindError,
@@ -171,8 +181,9 @@ def describe_error(exc: BaseException) -> str:
     text = str(exc).strip()
     if isinstance(exc, _WORDS_SUFFICE) and not isinstance(exc, KeyError) and text:
         # Written for people, often with a path in it: whole (a line break in a file name is
-        # data, shown escaped), up to a length.
-        return _capped(shown(text))
+        # data, shown escaped), up to a length (fsdpcheck's own name a file, a key and a rank
+        # and say what to do: longer, so the end is not cut off).
+        return _capped(shown(text), 1200 if isinstance(exc, FsdpcheckError) else 400)
     lines = [ln for ln in text.splitlines() if ln.strip()]
     first = _capped(lines[0].strip()) if lines else ""
     if len(lines) > 1 and not first.endswith(" ..."):

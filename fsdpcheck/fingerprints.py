@@ -25,6 +25,7 @@ from fsdpcheck.manifest import read_manifest
 from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.sources import Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
+from fsdpcheck.sources.remote import RemotePath, location
 from fsdpcheck.tolerances import checked_budget, checked_patterns
 
 if TYPE_CHECKING:
@@ -505,8 +506,9 @@ def _checkpoint_fingerprints(
     # An open DCP source (audit's, whose metadata is read and checked already) is hashed as it
     # is here; the other processes of a launch open its path.
     where = path.path if isinstance(path, DCPSource) else path
-    if session is not None and isinstance(where, (str, os.PathLike)):
-        args = (os.fspath(where), tuple(ignore) if ignore else None, memory_budget)
+    if session is not None and isinstance(where, (str, os.PathLike, RemotePath)):
+        at = str(where) if isinstance(where, RemotePath) else os.fspath(where)
+        args = (at, tuple(ignore) if ignore else None, memory_budget)
         request = offline_dist.Request("fingerprint", args)
     source = open_source(path)
     try:
@@ -551,9 +553,10 @@ def serve_fingerprints(
 
 
 def _manifest_ties(path: Any) -> dict[str, str]:
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike, RemotePath)):
         return {}
-    p = Path(path)
+    p = location(path)  # a URL: its prefix in the object store
+    p = p if isinstance(p, RemotePath) else Path(p)
     manifest = read_manifest(p) if p.is_dir() else None
     return manifest.tied if manifest is not None else {}
 

@@ -6,13 +6,12 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from fsdpcheck.formats import describe_path
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.sources import open_source
+from fsdpcheck.sources import open_info
 
 #: Placeholder of ``tensors`` in `inspecting`'s summary (the tensors come one at a time).
 TENSORS = "\0tensors\0"
@@ -27,7 +26,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         checkpoint's key, its canonical ``name``, ``role``, shape, dtype, chunks, coverage),
         counts (``model_tensors``, ``optimizer_params``, ``optimizer_tensors``,
         ``param_groups``), ``other`` (training-state entries: lr_scheduler, dataloader, ...),
-        ``problems`` (storage problems), ``notes`` and ``manifest`` (None without one).
+        ``problems`` (storage problems), ``notes``, ``manifest`` (None without one) and
+        ``ok`` (no problem).
     """
     with inspecting(path) as (info, tensors, _):
         info["tensors"] = list(tensors())
@@ -49,7 +49,7 @@ def inspecting(
         (the summary, a function that iterates the tensors' dicts, how many tensors).
     """
     info = describe_path(path)
-    source = open_source(Path(path))
+    source = open_info(info)
     try:
         keys = checkpoint_keys(source)
         rows = sorted((r for r in keys.rows if r.entry.is_tensor), key=lambda r: r.key)
@@ -113,6 +113,7 @@ def inspecting(
                 "fsdpcheck": manifest.fsdpcheck,
                 "entries": len(manifest.entries),
             },
+            "ok": not problems,  # last: a document stopped half way ends with it (the CLI)
         }
         yield summary, tensors, len(rows)
     finally:

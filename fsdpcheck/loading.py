@@ -8,7 +8,9 @@ against the manifest in one pass.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +39,7 @@ from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
 from fsdpcheck.sources import Region, Source, refuse_problems
+from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.tolerances import checked_key_map
 from fsdpcheck.verification import verify as verify_full
 
@@ -208,15 +211,24 @@ def _loaded(
             f"expected a {expect} checkpoint but {path} is {info.description}, a {info.kind} "
             f"checkpoint; nothing was loaded. {hint}"
         )
-    marked = c.step("sentinel", lambda: fill_sentinel(model, optimizer) if sentinel else [])
     work = c.step(
         f"pairing {path} with the model", lambda: _pair(model, optimizer, info, source, key_map)
     )
+    # Sentinels go in once everything that can fail before the first write has passed
+    # (NOTE: [check before writing] in sources/safe_reader): a refused load leaves the model
+    # as it was, not full of sentinels.
+    marked: list[Any] = []
+
+    def fill() -> None:
+        marked.extend(fill_sentinel(model, optimizer))
+
     if info.kind == "sharded":
-        _load_dcp(work, group, c)
+        _load_dcp(work, group, c, fill if sentinel else None)
     else:
         # Reading is local and may fail on one rank: agree on it before torch's collectives.
         full, osd = c.step(f"reading {path}", lambda: _read_full(work))
+        if sentinel:
+            c.step("sentinel", fill)
         with comm.foreign(f"setting the model's shards from {path}"):
             _apply_full(work, full, osd)
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
@@ -290,7 +302,7 @@ def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
             f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
             f"({', '.join(p.name for p in info.parts)}); fsdpcheck cannot load it as one"
         )
-    refuse_problems(source, info.path, "load it (nothing was loaded)")
+    refuse_problems(source, info.path, "load it: nothing was loaded")
     if manifest is not None:
         _manifest_agrees(manifest, source, info.path)
     return _Plan(info, manifest)
@@ -310,7 +322,7 @@ def _same_checkpoint(c: Call, path: str | os.PathLike[str], plan: _Plan | None) 
         (
             plan.info.kind,
             plan.info.layout,
-            [os.path.relpath(p, plan.info.path) for p in plan.info.parts],
+            [_relative(p, plan.info.path) for p in plan.info.parts],
             # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
             None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
         )
@@ -329,13 +341,20 @@ def _same_checkpoint(c: Call, path: str | os.PathLike[str], plan: _Plan | None) 
         )
 
 
+def _relative(part: Any, root: Any) -> str:
+    """Where a part lies in its checkpoint (local, or in an object store)."""
+    if isinstance(part, RemotePath):
+        return part.relative(root) if isinstance(root, RemotePath) else str(part)
+    return os.path.relpath(part, root)
+
+
 def _few(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return f"ranks {ranks}" if len(ranks) <= 8 else f"ranks {ranks[:8]} and {len(ranks) - 8} more"
 
 
-def _manifest_agrees(manifest: Manifest, source: Source, where: Path) -> None:
+def _manifest_agrees(manifest: Manifest, source: Source, where: object) -> None:
     entries = source.entries()
     for name, e in manifest.entries.items():
         entry = entries.get(e.checkpoint_key)
@@ -421,13 +440,21 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
 
 
-def _load_dcp(w: _Work, group: Any, c: Call) -> None:
+def _load_dcp(
+    w: _Work, group: Any, c: Call, before_writing: Callable[[], None] | None = None
+) -> None:
     """DCP loads into the live tensors in place, each into its paired checkpoint entry.
 
     The state dict handed to DCP is built from the pairs: each live tensor (a model tensor from
     ``get_model_state_dict``, an optimizer state tensor from ``get_optimizer_state_dict``) at
     its checkpoint entry's own path, so the checkpoint's nesting and spelling (``model.``,
     ``optimizer.state.<fqn>.<name>``, ``_forward_module.``, integer ids) never matter.
+
+    Every rank checks everything it will read before any rank writes a byte (NOTE: [check
+    before writing] in ``sources/safe_reader``): a load refused there leaves the model as it
+    was. A checkpoint of several parts is checked part by part, so a later part refused leaves
+    the earlier ones loaded, and the error names them; a failure while writing names the keys
+    that were written.
     """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
@@ -450,13 +477,28 @@ def _load_dcp(w: _Work, group: Any, c: Call) -> None:
             _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
         return parts, states
 
+    def agreed(step: str, fn: Callable[[], None]) -> None:
+        # Inside DCP's load, between its collectives: the same verdict on every rank.
+        try:
+            c.step(step, fn)
+        except RankFailure as f:
+            raise f.failure.error() from None
+
     parts, states = c.step("preparing DCP's load", plan)
+    loaded: list[str] = []  # the parts loaded whole, and their keys
     for i, (where, state) in enumerate(zip(w.info.parts, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
         # from a part still takes part in its collectives).
         part = parts[i]
         # The metadata parsed when opening (not read again), checked as it was then.
-        reader = part.dcp_reader() if isinstance(part, DCPSource) else SafeFileSystemReader(where)
+        reader = (
+            part.dcp_reader()
+            if isinstance(part, DCPSource)
+            else SafeFileSystemReader(cast(Path, where))
+        )
+        reader.agree = lambda check: agreed("the check before writing into the model", check)
+        if i == 0 and before_writing is not None:
+            reader.before_writing = functools.partial(agreed, "sentinel", before_writing)
         try:
             with c.comm.foreign(f"DCP reading {where}"):
                 dcp_load(
@@ -469,7 +511,12 @@ def _load_dcp(w: _Work, group: Any, c: Call) -> None:
         except BaseException as exc:  # torch's CheckpointException derives from BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit, RankStoppedError)):
                 raise
-            raise CheckpointError(f"loading {where} failed: {_first_failure(exc)}") from None
+            left = _what_was_written(exc, loaded, c.comm.world)
+            raise CheckpointError(
+                f"loading {where} failed: {_first_failure(exc)}; {left}"
+            ) from None
+        keys = sorted(_flat_keys(state))
+        loaded.append(f"{where.name} ({len(keys)} keys: {_few_keys(keys)})")
 
     def apply() -> None:
         for part, msd in zip(w.parts, w.msds):
@@ -495,9 +542,45 @@ def _set_hparams(w: _Work) -> None:
                 groups[g.index][name] = saved[entry.key]
 
 
+def _what_was_written(exc: BaseException, loaded: list[str], world: int) -> str:
+    """What a failed DCP load left in the model, in words the same on every rank."""
+    from fsdpcheck.sources.safe_reader import PartlyWrittenError
+
+    _, cause = root_cause(exc)
+    if isinstance(cause, PartlyWrittenError):  # its message names what that rank wrote
+        said = "the model is partly overwritten"
+        if world > 1:
+            said = f"the ranks that did not fail wrote all of theirs: {said}"
+    elif not loaded:
+        return "nothing was written into the model (it is as it was)"
+    else:
+        said = "nothing of it was written into the model"
+    if loaded:
+        said += f"; loaded before it (so the model is partly overwritten): {'; '.join(loaded)}"
+    return said + "; load again once the checkpoint is repaired"
+
+
+def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out += _flat_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _few_keys(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
+    from fsdpcheck.sources.safe_reader import NothingWrittenError
+
     rank, cause = root_cause(exc)
+    if isinstance(cause, NothingWrittenError):  # agreed by every rank: it names the rank
+        return describe_error(cause)
     return (f"on rank {rank}: " if rank is not None else "") + describe_error(cause)
 
 

@@ -107,15 +107,22 @@ class Manifest:
         return {k: e.fingerprint for k, e in self.entries.items() if e.fingerprint is not None}
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
-    """The manifest of a checkpoint directory, or None when it has none.
+def read_manifest(path: Any) -> Manifest | None:
+    """The manifest of a checkpoint directory (or prefix in an object store), or None.
 
     Raises:
         ManifestError: The manifest exists but is not a valid fsdpcheck manifest.
     """
-    f = Path(path) / MANIFEST_NAME
+    f: Any
     try:
-        data = _read_regular(f, _MAX_BYTES)
+        if isinstance(path, (str, os.PathLike)):
+            f = Path(path) / MANIFEST_NAME
+            data = _read_regular(f, _MAX_BYTES)
+        else:  # in an object store (sources.remote.RemotePath): the same limit, before the fetch
+            from fsdpcheck.sources.remote import read_small
+
+            f = path / MANIFEST_NAME
+            data = read_small(f, _MAX_BYTES, "manifest")
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

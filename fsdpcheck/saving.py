@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from fsdpcheck.report import normalized
 from fsdpcheck.sources import Source, open_source
 from fsdpcheck.sources.dcp import DCPSource
 from fsdpcheck.sources.dcp_metadata import METADATA_FILE, read_dcp_metadata
+from fsdpcheck.sources.remote import RemotePath, is_url, location
 
 __all__ = ["build_manifest", "dcp_saves", "save", "stale_reason", "write_checkpoint_manifest"]
 
@@ -67,7 +68,9 @@ def save(
 
     Args:
         model: The (sharded) model, or the model parts this rank runs (pipeline stages).
-        path: The checkpoint directory (must not exist or be empty, unless `overwrite`).
+        path: The checkpoint directory (must not exist or be empty, unless `overwrite`), or a
+            URL (``s3://...``: written through DCP's fsspec writer, the manifest last; there is
+            no atomic replacement in an object store, see NOTE: [saving to object storage]).
         optimizer: Its optimizer (or a wrapper of several), saved too when given. It must hold
             state (have stepped): fsdpcheck never initialises an optimizer's state.
         overwrite: Replace an existing checkpoint at `path` (whole: nothing of it survives).
@@ -92,6 +95,10 @@ def save(
     """
     with paused(), call("fsdpcheck.save", group, timeout) as c:  # NOTE: [collector]
         try:
+            if is_url(path):  # NOTE: [saving to object storage] in saving_remote
+                from fsdpcheck.saving_remote import save_to_url
+
+                return save_to_url(c, model, str(path), optimizer, overwrite, group)
             return _save(c, model, path, optimizer, overwrite, group)
         except RankFailure as f:
             raise f.failure.error() from None
@@ -103,8 +110,8 @@ def _save(
     comm = c.comm
 
     def where() -> tuple[Path, Path]:
-        c.arguments(optimizer=given(optimizer), overwrite=bool(overwrite))
-        absolute = Path(path).absolute()
+        c.arguments(optimizer=given(optimizer), overwrite=bool(overwrite), url=False)
+        absolute = Path(location(path)).absolute()  # file://: a local path
         return absolute, resolve_target(absolute)
 
     named, target = c.local(ARGUMENTS, where, (Path(str(path)), Path(str(path))))
@@ -347,7 +354,7 @@ def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Any) -> Manifest:
         source.close()
 
 
-def dcp_saves(root: Path, parts: list[Path]) -> dict[str, SaveIdentity]:
+def dcp_saves(root: Any, parts: Sequence[Any]) -> dict[str, SaveIdentity]:
     """Which DCP save each DCP directory among `parts` holds, by path relative to `root`.
 
     Parts that are not DCP directories, lie outside `root`, or whose metadata carries no save
@@ -356,6 +363,13 @@ def dcp_saves(root: Path, parts: list[Path]) -> dict[str, SaveIdentity]:
     out = {}
     for part in parts:
         if not is_dcp_dir(part):
+            continue
+        if isinstance(part, RemotePath):  # one read of .metadata gives both
+            if not isinstance(root, RemotePath) or part.relative(root) == str(part):
+                continue
+            save_id, digest = _remote_identity(part)
+            if save_id is not None:
+                out[part.relative(root)] = SaveIdentity(save_id, digest)
             continue
         try:
             rel = part.absolute().relative_to(root.absolute()).as_posix()
@@ -367,8 +381,17 @@ def dcp_saves(root: Path, parts: list[Path]) -> dict[str, SaveIdentity]:
     return out
 
 
+def _remote_identity(d: RemotePath) -> tuple[str | None, str]:
+    """(DCP save id, sha256 of ``.metadata``) of a DCP directory in an object store."""
+    from fsdpcheck.sources.dcp_index import read_parsed
+
+    parsed = read_parsed(d, columns=False)
+    save_id = getattr(getattr(parsed.metadata, "storage_meta", None), "save_id", None)
+    return (save_id if isinstance(save_id, str) else None), parsed.digest
+
+
 def stale_reason(
-    folder: str | os.PathLike[str], manifest: Manifest, digests: Mapping[Path, str] | None = None
+    folder: Any, manifest: Manifest, digests: Mapping[Any, str] | None = None
 ) -> str | None:
     """Why the manifest belongs to an earlier save than the checkpoint beside it, or None.
 
@@ -382,12 +405,19 @@ def stale_reason(
     ``metadata_digest``), so that a 150 MB ``.metadata`` is not hashed a second time.
     """
     for rel, want in sorted(manifest.saves.items()):
-        d = Path(folder) / rel
+        d: Any = folder / rel if isinstance(folder, RemotePath) else Path(folder) / rel
         try:
             known = digests.get(d) if digests else None
-            if (known or sha256_of(d / METADATA_FILE)) == want.metadata_sha256:
+            if known == want.metadata_sha256:
                 continue
-            have = _save_id(d)
+            if isinstance(d, RemotePath):  # one read of its .metadata gives both
+                have, digest = _remote_identity(d)
+                if digest == want.metadata_sha256:
+                    continue
+            else:
+                if (known or sha256_of(d / METADATA_FILE)) == want.metadata_sha256:
+                    continue
+                have = _save_id(d)
         except (OSError, ValueError):  # unreadable or gone: the structure checks say so
             continue
         if have is not None and have != want.save_id:

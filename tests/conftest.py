@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -27,4 +28,50 @@ def spawns(tmp_path_factory, request):
     """The multi-rank scenario runs (tests/dist_harness.py): one spawn per world size."""
     from tests.dist_harness import Spawns
 
-    return Spawns(tmp_path_factory.mktemp("spawns"), request.session.items)
+    spawns = Spawns(tmp_path_factory.mktemp("spawns"), request.session.items)
+    if "tests.s3_scenarios" in spawns.wanted:
+        # Its ranks read from it: up before they start (its tests skip without it).
+        with contextlib.suppress(pytest.skip.Exception):
+            request.getfixturevalue("s3_server")
+    return spawns
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1, behind the test proxy, for the session (tests/s3_server.py).
+
+    Every S3 client of the session reaches it through the environment (this process and the
+    ranks it spawns): ``AWS_ENDPOINT_URL`` is the proxy's port 0, the credentials are moto's, and
+    ``FSDPCHECK_TEST_S3`` (JSON) names moto itself, the proxy's port per rank (1 + rank) and
+    the bucket. The server is stopped by its pid at the end.
+    """
+    pytest.importorskip("moto", reason="moto[server] is not installed (scripts/setup.sh)")
+    pytest.importorskip("s3fs", reason="s3fs is not installed (scripts/setup.sh)")
+    import json
+
+    from tests.s3_server import BUCKET, CREDENTIALS, MotoServer, Proxy
+
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    proxy = Proxy(server.port, tags=5)
+    env = {
+        **CREDENTIALS,
+        "AWS_ENDPOINT_URL": proxy.urls[0],
+        "FSDPCHECK_TEST_S3": json.dumps(
+            {"moto": server.url, "proxy": proxy.urls, "bucket": BUCKET}
+        ),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import fsspec
+
+        fsspec.filesystem("s3", endpoint_url=server.url, skip_instance_cache=True).mkdir(BUCKET)
+        yield server, proxy
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proxy.close()
+        server.stop()

@@ -7,6 +7,8 @@ with different messages, fail the scenario's test.
 
 from __future__ import annotations
 
+import io
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -113,3 +115,59 @@ def save_through_a_symlink(w: World) -> Any:
         "beside": sorted(p.name for p in w.workdir.iterdir()),
         "refused": _error_of(lambda: fsdpcheck.save(m, link, optimizer=opt)),
     }
+
+
+class _Bomb(io.RawIOBase):
+    """Zeros without end: what a stream.zstd entry of a few hundred bytes can inflate to."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        b[:] = bytes(len(b))
+        return len(b)
+
+
+@scenario(2)
+def load_refused_on_one_rank_writes_on_none(w: World) -> Any:
+    """A decompression bomb in a chunk only rank 1 reads, the last it reads: no rank writes.
+
+    Before, rank 0 loaded all of its shards and rank 1 all but the last, then both raised: a
+    model half old, half new. Now every rank checks all it will read, they agree, and nothing
+    is written anywhere (the sentinels of sentinel=True included).
+    """
+    from torch.distributed.checkpoint import filesystem
+
+    from tests.scale_scenarios import sharded
+
+    ck = w.workdir / "bombed"
+    fsdpcheck.save(sharded(), ck)
+    w.barrier()
+    if w.rank == 0:
+        md = pickle.loads((ck / ".metadata").read_bytes())
+        mine = [(i.offset, x.fqn) for x, i in md.storage_data.items()
+                if i.relative_path.startswith("__1_") and x.fqn.startswith("model.")]  # fmt: skip
+        last = max(mine)[1]
+        for x, i in md.storage_data.items():
+            if x.fqn == last and i.relative_path.startswith("__1_"):
+                i.transform_descriptors = ["stream.zstd/1"]
+        (ck / ".metadata").write_bytes(pickle.dumps(md))
+    w.barrier()
+    real = filesystem._StorageReaderTransforms.transform_load_stream
+    filesystem._StorageReaderTransforms.transform_load_stream = (  # type: ignore[method-assign]
+        lambda self, req, descriptors, stream: io.BufferedReader(_Bomb())
+    )
+    try:
+        out: dict[str, Any] = {}
+        for sentinel in (False, True):
+            m2 = sharded(seed=1)
+            before = fsdpcheck.fingerprint(m2)
+            error = _error_of(lambda m2=m2, s=sentinel: fsdpcheck.load(m2, ck, sentinel=s))
+            out[f"sentinel={sentinel}"] = {
+                "error": error,
+                "untouched": fsdpcheck.fingerprint(m2) == before,
+            }
+    finally:
+        filesystem._StorageReaderTransforms.transform_load_stream = real  # type: ignore[method-assign]
+    out["ck"] = str(ck)
+    return out

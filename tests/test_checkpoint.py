@@ -470,7 +470,7 @@ def test_audit_deep_on_a_manifest_without_fingerprints_says_so(tmp_path):
     assert kinds(r) == [(MANIFEST_NAME, "skipped")]
     assert r.findings[0].message == (
         "the manifest holds no fingerprints: --deep checked no value (only the structure was "
-        "checked)"
+        "checked); save the checkpoint with fsdpcheck.save to have them"
     )
     doc["entries"]["0.weight"]["fingerprint"] = (
         f"{fsdpcheck.fingerprint(small_model()[0])['0.weight']:#018x}"
@@ -478,6 +478,11 @@ def test_audit_deep_on_a_manifest_without_fingerprints_says_so(tmp_path):
     mf.write_text(json.dumps(doc))
     r = fsdpcheck.audit(ck, deep=True)
     assert r.ok and "ck: 15 manifest entries have no fingerprint" in r.notes[0], r.notes
+    # The verdict says what --deep checked: one tensor's values, the others' not.
+    assert r.reference.endswith(
+        "and the values of 1 tensor(s) against the manifest's fingerprints (15 without one: "
+        "not checked)"
+    ), r.reference
 
 
 def test_a_deeply_nested_manifest_is_one_line(tmp_path):

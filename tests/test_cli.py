@@ -133,13 +133,20 @@ def test_audit_exit_codes(ckpts, capsys, tmp_path):
 def test_errors_are_one_line_with_exit_2(capsys, tmp_path):
     code, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
     assert code == 2 and err.count("\n") == 1 and "does not exist" in err
-    with pytest.raises(SystemExit) as e:
-        main(["compare", "onlyone"])
-    assert e.value.code == 2
+    # Bad usage: exit 2 and one line naming the command, the problem and where the usage is.
+    code, out, err = run(capsys, "compare", "onlyone")
+    assert (
+        code == 2
+        and out == ""
+        and err
+        == (
+            "fsdpcheck compare: error: the following arguments are required: expected "
+            "(fsdpcheck compare --help shows the usage)\n"
+        )
+    )
     for budget in ("lots", "0", "-1", "infG", "nan"):
-        with pytest.raises(SystemExit) as e:
-            main(["fingerprint", "x", "--memory-budget", budget])
-        assert e.value.code == 2
+        code, _, err = run(capsys, "fingerprint", "x", "--memory-budget", budget)
+        assert code == 2 and err.count("\n") == 1 and "not a positive size" in err
     # --debug adds the traceback; the exit code stays the same.
     code, _, err = run(capsys, "inspect", str(tmp_path / "nope"), "--debug")
     assert code == 2 and "Traceback" in err
@@ -272,7 +279,50 @@ def test_inspect_exits_1_when_it_lists_a_problem(ckpts, capsys, tmp_path):
 
 
 def test_compare_refuses_meta_tensors(ckpts, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["compare", str(ckpts / "good.safetensors"), str(ckpts / "ck"), "--device", "meta"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "meta tensors hold no values" in err
+    code, _, err = run(
+        capsys, "compare", str(ckpts / "good.safetensors"), str(ckpts / "ck"), "--device", "meta"
+    )
+    assert code == 2 and "meta tensors hold no values" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "error"),
+    [
+        (
+            KeyboardInterrupt(),
+            130,
+            "interrupted by SIGINT before the check finished; nothing was concluded",
+        ),
+        (
+            OSError(5, "Input/output error", "ck/__0_0.distcp"),
+            2,
+            "ck/__0_0.distcp: Input/output error",
+        ),
+    ],
+)
+def test_inspect_json_stopped_half_way_is_still_one_document(
+    ckpts, capsys, monkeypatch, stop, code, error
+):
+    """inspect --json writes its tensors as they come: what stops it ends the document."""
+    import contextlib
+
+    from fsdpcheck import inspection
+
+    real = inspection.inspecting
+
+    @contextlib.contextmanager
+    def stopping(path):
+        with real(path) as (info, tensors, count):
+
+            def first_then_stop():
+                yield next(iter(tensors()))
+                raise stop
+
+            yield info, first_then_stop, count
+
+    monkeypatch.setattr(inspection, "inspecting", stopping)
+    got, out, err = run(capsys, "inspect", str(ckpts / "ck"), "--json")
+    doc = json.loads(out)
+    assert got == code and doc["exit_code"] == code and doc["ok"] is False
+    assert doc["error"] == error and len(doc["tensors"]) == 1 and doc["path"] == str(ckpts / "ck")
+    assert err == f"fsdpcheck inspect: {error}\n"

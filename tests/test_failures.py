@@ -54,6 +54,22 @@ def test_a_failed_dcp_read_inside_load(spawns: Spawns) -> None:
     assert "FrameSummary" not in error and "Traceback" not in error
 
 
+def test_load_refused_on_one_rank_writes_on_none(spawns: Spawns) -> None:
+    r = result(spawns, "load_refused_on_one_rank_writes_on_none")
+    for sentinel in ("sentinel=False", "sentinel=True"):
+        got = r[sentinel]
+        assert got["untouched"], sentinel  # on every rank (the harness compares them)
+        error = got["error"]
+        assert error.startswith(
+            f"CheckpointError: loading {r['ck']} failed: the check before writing into the "
+            f"model failed on rank 1: {r['ck']}/__1_0.distcp: model.p."
+        ), error
+        assert error.endswith(
+            "inflates past 1048600 bytes, more than the entry can hold; refusing it (a "
+            "decompression bomb?); nothing was written into the model (it is as it was)"
+        ), error
+
+
 def test_save_through_a_symlink(spawns: Spawns) -> None:
     r = result(spawns, "save_through_a_symlink")
     assert r["link"] and r["new"] and r["beside"] == ["ck", "v1"]

@@ -125,7 +125,7 @@ def test_what_rank_0_found_is_every_ranks_verdict(case: tuple, spawns: Spawns) -
     assert loaded["raised"] == (
         f"CheckpointError: checking {path} before loading failed on rank 0 "
         f"{_everywhere_else(case[0])}: {path}: error in model.p.0: {first} (and {KEYS - 1} "
-        "more); refusing to load it (nothing was loaded)"
+        "more); refusing to load it: nothing was loaded (fsdpcheck audit lists every problem)"
     )
     _once([r["verify"] for r in per_rank])
     _once([r["load"] for r in per_rank])

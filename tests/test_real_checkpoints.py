@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import torch
 
 import fsdpcheck
 from fsdpcheck.cli import main as cli_main
+from fsdpcheck.errors import CheckpointError
 from fsdpcheck.matching import prefix_rules
 from tests.corpus import bump, set_element
 
@@ -328,3 +330,65 @@ def test_audit_names_stateless_parameters_in_a_note(tmp_path):
     r = fsdpcheck.audit(tmp_path / "bad")
     assert kinds(r) == [("optim.state.body.weight.step", "missing")]
     assert "lacks ['step']" in r.findings[0].message
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's own zstd storage transform (torch.distributed.checkpoint._extension.ZStandard).
+def _zstd_save(path: Path, sd: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    ext = pytest.importorskip("torch.distributed.checkpoint._extension")
+    pytest.importorskip("zstandard", reason="DCP's ZStandard extension needs zstandard")
+    writer = FileSystemWriter(str(path), _extensions=[ext.ZStandard()])
+    with pytest.warns(UserWarning):  # "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+
+
+def test_zstd_compressed_dcp_checkpoint_is_read_through_its_transform(tmp_path, capsys):
+    # Compressible chunks store fewer bytes than their elements need: the entry's size is not a
+    # short chunk (that was a false finding on every compressed checkpoint).
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "zeros": torch.zeros(300, 100),
+        "ramp": torch.arange(10_000, dtype=torch.float32).reshape(100, 100),
+        "noise": torch.randn(50, 50, generator=g).to(torch.bfloat16),
+    }
+    _zstd_save(tmp_path / "ck", sd)
+    torch.save(sd, tmp_path / "ref.pt")
+    ck, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    for argv in (["inspect", ck], ["audit", "--deep", ck], ["compare", ck, ref]):
+        assert cli_main(argv) == 0, (argv, capsys.readouterr())
+    report = fsdpcheck.compare_checkpoints(ck, ref)
+    assert report.ok and report.keys_checked == 3
+    assert fsdpcheck.fingerprint_checkpoint(ck) == {
+        k: fsdpcheck.fingerprint_tensor(v) for k, v in sd.items()
+    }
+    assert fsdpcheck.verify(sd, ck).ok
+
+    planted = {k: v.clone() for k, v in sd.items()}
+    set_element(planted["ramp"], (7, 3), -1.0)
+    _zstd_save(tmp_path / "bad", planted)
+    report = fsdpcheck.compare_checkpoints(str(tmp_path / "bad"), ref)
+    assert not report.ok
+    assert [(f.key, f.kind) for f in report.findings] == [("ramp", "value")]
+    assert report.findings[0].max_abs_index == (7, 3)
+
+
+def test_zstd_entry_that_decodes_short_is_an_error_never_ok(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import filesystem
+
+    sd = {"ramp": torch.arange(10_000, dtype=torch.float32).reshape(100, 100)}
+    _zstd_save(tmp_path / "ck", sd)
+    original = filesystem._StorageReaderTransforms.transform_load_stream
+
+    def short(self: Any, read_item: Any, descriptors: Any, stream: Any) -> Any:
+        data = original(self, read_item, descriptors, stream).read()
+        return io.BytesIO(data[: len(data) // 2])
+
+    monkeypatch.setattr(filesystem._StorageReaderTransforms, "transform_load_stream", short)
+    # Unreadable data ends the check with one line naming the file and the key (never OK).
+    with pytest.raises(CheckpointError) as e:
+        fsdpcheck.compare_checkpoints(str(tmp_path / "ck"), sd)
+    msg = str(e.value)
+    assert "__0_0.distcp" in msg and "ramp" in msg and "\n" not in msg

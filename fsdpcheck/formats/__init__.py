@@ -10,8 +10,10 @@ first). Adding a layout is a new module here, one line in ``LAYOUTS``, and its c
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdpcheck.formats.accelerate import Accelerate, accelerate_parts
 from fsdpcheck.formats.base import (
@@ -34,6 +36,9 @@ from fsdpcheck.formats.peft import Peft
 from fsdpcheck.formats.torchtitan import Torchtitan
 from fsdpcheck.formats.transformers import HuggingFace, TrainerCheckpoint
 
+if TYPE_CHECKING:
+    from fsdpcheck.sources.remote import RemotePath
+
 #: Every layout, in order of priority (the first that recognises a path describes it).
 LAYOUTS: tuple[CheckpointLayout, ...] = (
     Native(),
@@ -52,6 +57,7 @@ LAYOUTS: tuple[CheckpointLayout, ...] = (
     TorchSave(),
 )
 _BY_NAME = {layout.name: layout for layout in LAYOUTS}
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 def layout_named(name: str) -> CheckpointLayout | None:
@@ -65,19 +71,35 @@ def grammar_of(name: str) -> KeyGrammar:
     return layout.grammar if layout is not None else DEFAULT_GRAMMAR
 
 
-def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
+def describe_path(path: str | os.PathLike[str] | RemotePath) -> CheckpointInfo:
     """Recognises a checkpoint's layout from its structure.
+
+    A URL (``s3://``, ``gs://``, ``az://``, ``hf://``, any fsspec knows) is recognised from its
+    listing (``formats.remote``); ``file://`` is a local path.
 
     Raises:
         FileNotFoundError: The path does not exist.
         PermissionError: A folder on its path may not be searched.
         ValueError: It is not a checkpoint fsdpcheck recognises (the message says what it holds).
     """
-    p = Path(path)
+    if not isinstance(path, os.PathLike) and (not isinstance(path, str) or _URL.match(path)):
+        from fsdpcheck.sources.remote import RemotePath, location
+
+        where = location(path)  # NOTE: [object storage] in sources/remote.py
+        if isinstance(where, RemotePath):
+            from fsdpcheck.formats.remote import describe_remote
+
+            return describe_remote(where)
+        path = where  # file://: a local path
+    p = Path(path)  # type: ignore[arg-type]  # what location() leaves is a local path
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint {p} does not exist") from None
+        where = "" if p.is_absolute() else f"looked for {p.absolute()}; "
+        raise FileNotFoundError(
+            f"checkpoint {p} does not exist ({where}give the path of a checkpoint directory or "
+            "file)"
+        ) from None
     except PermissionError:
         raise PermissionError(
             f"checkpoint {p}: permission denied (a folder on its path may not be searched)"
@@ -103,7 +125,10 @@ def describe_path(path: str | os.PathLike[str]) -> CheckpointInfo:
         info.path = p
         return info
     if not probe.names:
-        raise ValueError(f"{p} is an empty directory, not a checkpoint")
+        raise ValueError(
+            f"{p} is an empty directory, not a checkpoint (was the save finished, or is the path "
+            "one level off?)"
+        )
     raise ValueError(
         f"{p} holds no checkpoint fsdpcheck recognises: no DCP .metadata, no safetensors, and "
         f"{len(saved)} torch.save files (pass one file, or a DCP directory)"

@@ -21,12 +21,16 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from fsdpcheck.names import WRAPPER_PREFIXES
+
+if TYPE_CHECKING:
+    from fsdpcheck.sources.remote import RemotePath
 
 # Part roles: what a part of a checkpoint holds. "any" parts are read by their own structure.
 ROLES = ("any", "model", "optimizer", "adapter")
@@ -133,7 +137,8 @@ class CheckpointInfo:
         layout: The name of one of ``fsdpcheck.formats.LAYOUTS``.
         kind: "sharded" (DCP chunks) or "full" (whole tensors).
         description: One line for humans.
-        parts: The files or DCP directories that hold its tensors (model first).
+        parts: The files or DCP directories that hold its tensors (model first); objects or
+            prefixes (``sources.remote.RemotePath``) for a checkpoint in an object store.
         notes: What is not read (e.g. DeepSpeed's flattened optimizer partitions).
         roles: Each part's role ("model", "optimizer", "adapter" or "any": read by its own
             structure), parallel to `parts`.
@@ -141,11 +146,11 @@ class CheckpointInfo:
             named in notes, never read.
     """
 
-    path: Path
+    path: Path | RemotePath
     layout: str
     kind: str
     description: str
-    parts: list[Path] = field(default_factory=list)
+    parts: Sequence[Path | RemotePath] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)
     training: list[Path] = field(default_factory=list)
@@ -203,13 +208,17 @@ class CheckpointLayout:
         return None
 
 
-def is_dcp_dir(path: Path) -> bool:
+def is_dcp_dir(path: Path | RemotePath) -> bool:
     """Whether `path` is a DCP checkpoint directory (it holds a ``.metadata`` of any type).
 
     A ``.metadata`` that is not a regular file (or a dangling link) still marks the directory,
     so that opening it refuses the file with a clear line instead of treating the directory as
     something else.
     """
+    if not isinstance(path, Path):  # a prefix in an object store (sources.remote.RemotePath)
+        from fsdpcheck.sources.remote import RemotePath
+
+        return isinstance(path, RemotePath) and ".metadata" in path.listing()
     try:
         return path.is_dir() and os.path.lexists(path / ".metadata")
     except OSError:

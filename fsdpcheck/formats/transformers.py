@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdpcheck.formats.base import (
     CheckpointInfo,
@@ -20,6 +21,9 @@ from fsdpcheck.formats.base import (
     is_dcp_dir,
     training_note,
 )
+
+if TYPE_CHECKING:
+    from fsdpcheck.sources.remote import RemotePath
 
 #: Where the Trainer keeps the model, in order of preference (FSDP's DCP folder first).
 MODEL_FILES = (
@@ -134,7 +138,9 @@ def bin_index_folder(p: Path, names: set[str], layout: str, what: str) -> Checkp
     return CheckpointInfo(p, layout, "full", info, [p / found[0]], roles=["model"])
 
 
-def safetensors_folder(p: Path, names: set[str], layout: str, what: str) -> CheckpointInfo | None:
+def safetensors_folder(
+    p: Path | RemotePath, names: set[str], layout: str, what: str
+) -> CheckpointInfo | None:
     """A folder of safetensors files (through its index when it has one), or None."""
     index = sorted(n for n in names if n.endswith(".safetensors.index.json"))
     tensors = sorted(n for n in names if n.endswith(".safetensors"))

@@ -19,9 +19,10 @@ from fsdpcheck.formats.ds_universal import is_universal_zero
 from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
+from fsdpcheck.sources.remote import RemotePath
 
 if TYPE_CHECKING:
-    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.dcp import DCPSource, Verdicts
 
 __all__ = [
     "Entry",
@@ -29,6 +30,8 @@ __all__ = [
     "Region",
     "Source",
     "checkpoint_notes",
+    "open_dcp",
+    "open_info",
     "open_part",
     "open_path",
     "open_source",
@@ -40,8 +43,8 @@ def open_source(reference: Any, *, trust: Verdicts | None = None) -> Source:
     """Opens a reference of any supported kind.
 
     Args:
-        reference: A checkpoint path of any layout ``fsdpcheck.describe_path`` recognises (DCP
-            directory, fsdpcheck.save, torchtitan step folder, accelerate save_state directory,
+        reference: A checkpoint path or URL of any layout ``fsdpcheck.describe_path`` recognises
+            (DCP directory, fsdpcheck.save, torchtitan step folder, accelerate save_state directory,
             Lightning, Hugging Face folder or index, DeepSpeed, megatron-core, torch.save file,
             safetensors); a mapping of full tensors; a full nn.Module; or a list/tuple of any of
             these, read as one (their keys must not collide).
@@ -70,12 +73,16 @@ def open_source(reference: Any, *, trust: Verdicts | None = None) -> Source:
                 s.close()
             raise
         return parts[0] if len(parts) == 1 else MergedSource(parts)
-    if not isinstance(reference, (str, Path)):
+    if not isinstance(reference, (str, Path, RemotePath)):
         raise TypeError(
             f"reference must be a path, a mapping of tensors or an nn.Module, not "
             f"{type(reference).__name__}"
         )
-    info = describe_path(reference)
+    return open_info(describe_path(reference), trust=trust)
+
+
+def open_info(info: CheckpointInfo, *, trust: Verdicts | None = None) -> Source:
+    """Opens every part of a recognised checkpoint, as one source."""
     sources: list[Source] = []
     try:
         for i in range(len(info.parts)):
@@ -106,12 +113,15 @@ def open_part(info: CheckpointInfo, index: int, *, trust: Verdicts | None = None
     return source
 
 
-def open_path(path: Path, *, trust: Verdicts | None = None) -> Source:
+def open_path(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file.
 
     Also a ``*.bin.index.json``, and torch's HuggingFaceStorageWriter shards (a folder or a file).
-    `trust`: as for `open_source` (DCP directories only).
+    In an object store (a `RemotePath`): a DCP directory or safetensors. `trust`: as for
+    `open_source` (DCP directories only).
     """
+    if isinstance(path, RemotePath):
+        return open_remote(path, trust=trust)
     from fsdpcheck.sources import bin_index, hf_storage
 
     if hf_storage.holds_shards(path):
@@ -133,6 +143,28 @@ def open_path(path: Path, *, trust: Verdicts | None = None) -> Source:
     return TorchSaveSource(path)
 
 
+def open_dcp(path: Path | RemotePath) -> DCPSource:
+    """A DCP directory, local or in an object store."""
+    if isinstance(path, RemotePath):
+        from fsdpcheck.sources.remote_dcp import RemoteDCPSource
+
+        return RemoteDCPSource(path)
+    from fsdpcheck.sources.dcp import DCPSource
+
+    return DCPSource(path)
+
+
+def open_remote(path: RemotePath, *, trust: Verdicts | None = None) -> Source:
+    """A DCP directory or safetensors in an object store (NOTE: [object storage] in remote)."""
+    if path.name.endswith((".safetensors", ".json")) or ".metadata" not in path.listing():
+        from fsdpcheck.sources.remote_files import RemoteSafetensorsSource
+
+        return RemoteSafetensorsSource.from_remote(path)
+    from fsdpcheck.sources.remote_dcp import RemoteDCPSource
+
+    return RemoteDCPSource(path, verdicts=trust)
+
+
 def refuse_problems(source: Source, where: object, action: str) -> None:
     """Raises CheckpointError (one line) when the source's storage has problems.
 
@@ -142,10 +174,13 @@ def refuse_problems(source: Source, where: object, action: str) -> None:
     Args:
         source: The opened checkpoint.
         where: What to name in the message (a path, or the source's description).
-        action: What is refused, e.g. "load it (nothing was loaded)".
+        action: What is refused, e.g. "load it: nothing was loaded".
     """
-    problems = source.problems()
+    problems = list(dict.fromkeys(source.problems()))  # a problem may be listed twice
     if problems:
         key, kind, message = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{where}: {kind} in {key}: {message}{more}; refusing to {action}")
+        raise CheckpointError(
+            f"{where}: {kind} in {key}: {message}{more}; refusing to {action} (fsdpcheck audit "
+            "lists every problem)"
+        )

@@ -10,7 +10,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from fsdpcheck.sources.rawio import (
     populate,
     pread_into,
 )
+from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.sources.tiling import Box, box_text, intersect, uncovered
 
 
@@ -88,13 +89,13 @@ class DCPSource(Source):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | RemotePath,
         *,
         trusted_digest: str | None = None,
         trusted_check: StorageProblems | None = None,
         verdicts: Verdicts | None = None,
     ) -> None:
-        self.path = Path(path)
+        self.path: Path | RemotePath = path if isinstance(path, RemotePath) else Path(path)
         self.description = f"DCP checkpoint {self.path}"
         if trusted_digest is None and verdicts is not None:
             trusted_digest, trusted_check = verdicts.next()
@@ -119,7 +120,7 @@ class DCPSource(Source):
         # Raw chunk locations by (key, chunk position) (None: the safe reader) and their files,
         # for the keys read last.
         self._raw: dict[tuple[str, int], tuple[RawChunk | None, str]] = {}
-        self._files = _Files(self.path)
+        self._files = self._file_set()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._finalizer = weakref.finalize(self, _release, self._files, [None])
@@ -130,15 +131,24 @@ class DCPSource(Source):
         """Every key of the checkpoint's metadata."""
         return self._entries
 
+    def _file_set(self) -> Any:
+        """How data files are opened and mapped (`_Files`; an object store's own, remotely)."""
+        assert isinstance(self.path, Path)
+        return _Files(self.path)
+
+    def _reader_type(self) -> Any:
+        """The class of DCP storage reader for what is not read by byte range here."""
+        from fsdpcheck.sources.safe_reader import SafeFileSystemReader
+
+        return SafeFileSystemReader
+
     def dcp_reader(self) -> Any:
         """A new `SafeFileSystemReader` for ``dcp.load`` over the metadata parsed here.
 
         Its ``read_metadata`` hands DCP the parsed metadata (``.metadata`` is not read again)
         and its set-up refuses what the opening check found instead of checking again.
         """
-        from fsdpcheck.sources.safe_reader import SafeFileSystemReader
-
-        return SafeFileSystemReader.from_index(self._index, self._bad_position)
+        return self._reader_type().from_index(self._index, self._bad_position)
 
     @property
     def index(self) -> DcpIndex:
@@ -323,9 +333,7 @@ class DCPSource(Source):
         """The safe DCP reader over the same parsed metadata (imports DCP; made once)."""
         with self._lock:
             if self._safe_reader is None:
-                from fsdpcheck.sources.safe_reader import SafeFileSystemReader
-
-                self._safe_reader = SafeFileSystemReader.from_index(self._index, self._bad_position)
+                self._safe_reader = self._reader_type().from_index(self._index, self._bad_position)
             return self._safe_reader
 
     def _bad_position(self, key: str, offsets: tuple[int, ...] | None) -> str | None:
@@ -412,6 +420,7 @@ class DCPSource(Source):
             f.result()
 
     def _read_file(self, rel: str, items: list[_RawItem]) -> None:
+        assert isinstance(self.path, Path)  # an object store reads its own way
         with self._files.open(rel) as fd:
             for it in items:
                 _copy_raw(fd, it, self.path / rel)
@@ -634,7 +643,17 @@ class _RawItem:
 
 
 def _copy_raw(fd: int, it: _RawItem, path: Path) -> None:
-    """Reads a part of a raw chunk into its destination, touching only the rows it needs.
+    """Reads a part of a raw chunk into its destination, touching only the rows it needs."""
+    start, buf, finish = raw_read(it)
+    pread_into(fd, buf, start, f"{path}: {it.key}", path)
+    finish()
+
+
+def raw_read(it: _RawItem) -> tuple[int, torch.Tensor, Callable[[], None]]:
+    """How a part of a raw chunk is read: (file offset, CPU tensor to fill, then what to call).
+
+    The tensor is filled with the file's bytes from the offset on; the function then puts them
+    into the destination (nothing to do when the tensor is the destination).
 
     A row-major chunk's rows are one byte range: read straight into the destination when that
     is a contiguous CPU tensor of exactly those rows, else into a page-aligned scratch buffer
@@ -643,7 +662,6 @@ def _copy_raw(fd: int, it: _RawItem, path: Path) -> None:
     """
     rc, target = it.chunk, it.target
     item = rc.dtype.itemsize
-    what = f"{path}: {it.key}"
     if rc.row_major:
         row = math.prod(rc.shape[1:]) if rc.shape else 1
         r0 = it.src_off[0] if rc.shape else 0
@@ -656,22 +674,31 @@ def _copy_raw(fd: int, it: _RawItem, path: Path) -> None:
             and target.is_contiguous()
             and target.dtype == rc.dtype
         ):
-            pread_into(fd, target, start, what, path)
-            return
+            return start, target, _nothing
         buf = aligned_empty(rows * row * item)
-        pread_into(fd, buf, start, what, path)
-        src = buf.view(rc.dtype).view((rows, *rc.shape[1:]) if rc.shape else ())
-        for d in range(1, len(rc.shape)):
-            src = src.narrow(d, it.src_off[d], it.lengths[d])
-    else:
-        buf = aligned_empty(rc.nbytes - rc.nbytes % item)
-        pread_into(fd, buf, rc.data_offset, what, path)
-        flat = buf.view(rc.dtype)
+
+        def rows_done() -> None:
+            src = buf.view(rc.dtype).view((rows, *rc.shape[1:]) if rc.shape else ())
+            for d in range(1, len(rc.shape)):
+                src = src.narrow(d, it.src_off[d], it.lengths[d])
+            target.copy_(src)
+
+        return start, buf, rows_done
+    whole = aligned_empty(rc.nbytes - rc.nbytes % item)
+
+    def strided_done() -> None:
+        flat = whole.view(rc.dtype)
         # as_strided counts its offset from the start of the storage, not of this view.
         src = flat.as_strided(rc.shape, rc.stride, flat.storage_offset() + rc.storage_offset)
         for d, (o, k) in enumerate(zip(it.src_off, it.lengths)):
             src = src.narrow(d, o, k)
-    target.copy_(src)
+        target.copy_(src)
+
+    return rc.data_offset, whole, strided_done
+
+
+def _nothing() -> None:
+    pass
 
 
 def _release(files: _Files, pool: list[ThreadPoolExecutor | None]) -> None:

@@ -59,9 +59,11 @@ from fsdpcheck.sources.dcp_pickle import (
     ChunkRun,
     Fallback,
     Parsed,
+    Stream,
     StreamError,
     read_metadata_stream,
 )
+from fsdpcheck.sources.remote import RemotePath, object_size, open_object
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
 _NOTHING = torch.empty(0, 0, dtype=torch.int64)
@@ -74,7 +76,7 @@ class DcpIndex:
     """A DCP checkpoint's metadata as columns (see the module docstring).
 
     Attributes:
-        root: The checkpoint directory.
+        root: The checkpoint directory (or its prefix in an object store).
         digest: sha256 (hex) of the ``.metadata`` bytes parsed.
         keys: Every key, in metadata order.
         paths: Each key's structural path (``planner_paths``).
@@ -95,7 +97,7 @@ class DcpIndex:
         value_entry: Per value key: its storage entry row.
     """
 
-    root: Path
+    root: Path | RemotePath
     digest: str
     keys: list[str]
     paths: dict[str, tuple[str, ...]]
@@ -299,7 +301,7 @@ Storage = tuple[str, int, int, tuple[str, ...]]
 
 
 # -------------------------------------------------------------------------------------------
-def read_parsed(root: Path, columns: bool | None = None) -> Parsed:
+def read_parsed(root: Path | RemotePath, columns: bool | None = None) -> Parsed:
     """``.metadata`` of `root`, opened by what it is and read as it streams.
 
     Files of `SMALL` bytes and more read their runs of chunk and storage records as columns;
@@ -311,24 +313,30 @@ def read_parsed(root: Path, columns: bool | None = None) -> Parsed:
         FileNotFoundError / PermissionError / CheckpointError / UnsafePickleError: as
         `read_dcp_metadata`.
     """
-    f = root / METADATA_FILE
-    what = f"DCP metadata {f}"
-    fd, st = open_regular(f, "DCP metadata")
+    what = f"DCP metadata {root / METADATA_FILE}"
+    fd: int | Stream
+    if isinstance(root, RemotePath):  # its size from the listing: refused before it is fetched
+        fd = open_object(root / METADATA_FILE, "DCP metadata").stream()
+        size = fd.size
+    else:
+        fd, st = open_regular(root / METADATA_FILE, "DCP metadata")
+        size = st.st_size
     try:
-        if st.st_size > MAX_METADATA:
+        if size > MAX_METADATA:
             raise CheckpointError(
-                f"{what} has {st.st_size} bytes, more than the {MAX_METADATA} fsdpcheck reads; "
+                f"{what} has {size} bytes, more than the {MAX_METADATA} fsdpcheck reads; "
                 "refusing it"
             )
         if columns is None:
-            columns = st.st_size >= SMALL
+            columns = size >= SMALL
         return read_metadata_stream(fd, what, _mirror, MAX_METADATA, columns=columns)
     except (UnsafePickleError, CheckpointError):
         raise
     except (StreamError, ValueError) as exc:
         raise CheckpointError(f"{what} is unreadable: {exc}") from None
     finally:
-        os.close(fd)
+        if isinstance(fd, int):
+            os.close(fd)
 
 
 def _trim() -> None:
@@ -348,14 +356,18 @@ def _trim() -> None:
 
 
 def open_index(
-    root: str | os.PathLike[str], *, trusted_digest: str | None = None
+    root: str | os.PathLike[str] | RemotePath, *, trusted_digest: str | None = None
 ) -> tuple[DcpIndex, StorageProblems | None]:
     """Reads and (unless `trusted_digest` matches) checks a DCP checkpoint's metadata.
+
+    Args:
+        root: The checkpoint directory, or its prefix in an object store.
+        trusted_digest: See NOTE: [trusted metadata].
 
     Returns:
         The index and what `check` found (None when the digest matched: not checked here).
     """
-    root = Path(root)
+    root = root if isinstance(root, RemotePath) else Path(root)
     # NOTE: [one thread] The column work is hundreds of mid-sized tensor ops: on 2 cores
     # shared with other work, torch's intra-op threads doubled its CPU time (1M chunks: 8.4 s
     # of CPU against 4.0 s on one thread) for no gain in wall time, so it runs on one.
@@ -381,7 +393,7 @@ def open_index(
         torch.set_num_threads(threads)
 
 
-def build_index(parsed: Parsed, root: Path) -> DcpIndex:
+def build_index(parsed: Parsed, root: Path | RemotePath) -> DcpIndex:
     """The columns of parsed metadata (objects, with column runs where the stream had them).
 
     Raises:
@@ -770,6 +782,22 @@ class StorageProblems:
         return [(k, "gap" if kind == "gap" else "error", m) for k, kind, m in self.findings]
 
 
+def _more_than(sizes: torch.Tensor, mask: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Per row: the product of its sizes (where `mask`; >= 1 each) exceeds `cap` (>= 0).
+
+    ``prod(s) <= cap`` exactly when each size is at most the cap divided (floor) by the sizes
+    before it; the product itself, up to 2**(63 * D), is never formed (NOTE: [claimed sizes]).
+    The empty product (a 0-d chunk) is 1.
+    """
+    rem = cap.clone()
+    over = cap < 1
+    for d in range(sizes.shape[1]):
+        s = torch.where(mask[:, d], sizes[:, d], 1).clamp(min=1)
+        over |= s > rem
+        rem = rem // s
+    return over
+
+
 def check(index: DcpIndex) -> StorageProblems:
     """Every structural problem ``check_storage`` finds, over columns (one stat per file)."""
     out = StorageProblems()
@@ -777,24 +805,32 @@ def check(index: DcpIndex) -> StorageProblems:
     n_entries = index.entry_where.shape[0]
     entry_bad: dict[int, str] = {}
     if n_entries:
-        ends = index.entry_where.sum(1)
+        # NOTE: [claimed sizes] Offsets, lengths and sizes are the file's claims (up to
+        # 2**63 - 1 each): sums and products of them are never formed in int64 (they wrap), they
+        # are compared by subtraction and division of values known to be >= 0.
+        e_off, e_len = index.entry_where[:, 0], index.entry_where[:, 1]
         nfiles = len(index.files)
         sizes = torch.zeros(nfiles, dtype=torch.int64)
         unreadable = torch.zeros(nfiles, dtype=torch.bool)
         whys: dict[int, str] = {}
-        real_root = root.resolve()
+        # An object store: the sizes of its listing (NOTE: [object storage] in ``remote``).
+        real_root = None if isinstance(root, RemotePath) else root.resolve()
         for f, rel in enumerate(index.files):
-            why, size = file_size(root, rel, "storage entry", real_root)
+            if isinstance(root, RemotePath):
+                why, size = object_size(root, rel, "storage entry")
+            else:
+                why, size = file_size(root, rel, "storage entry", real_root)
             if why is not None:
                 whys[f] = why
                 unreadable[f] = True
             sizes[f] = size
         ef = index.entry_file.long()
-        past = (ends > sizes[ef]) & ~unreadable[ef]
+        size_e = sizes[ef]
+        past = ((e_off > size_e) | (e_len > size_e - e_off)) & ~unreadable[ef]
         for e in (unreadable[ef] | past).nonzero().flatten().tolist():
             f = int(index.entry_file[e])
             entry_bad[e] = whys.get(f) or past_the_end(
-                "its data", int(ends[e]), index.files[f], int(sizes[f])
+                "its data", int(e_off[e]) + int(e_len[e]), index.files[f], int(sizes[f])
             )
     D = index.coords.shape[1] // 2
     shapes = index.shapes
@@ -820,14 +856,18 @@ def check(index: DcpIndex) -> StorageProblems:
             ck = c_key[lo:hi].long()
             off, sz = index.coords[lo:hi, :D], index.coords[lo:hi, D:]
             g, m = shape_pad[ck], mask_pad[ck]
-            out_here = (((off < 0) | (sz < 0) | (off + sz > g)) & m).any(1)
-            numel = torch.where(m, sz, 1).prod(1)
+            out_here = (((off < 0) | (sz < 0) | (sz > g - off)) & m).any(1)
             ent = index.entry[lo:hi].long()
             has = ent >= 0
             stored = torch.where(has, index.entry_where[ent.clamp(min=0), 1], 0)
-            live_here = (numel > 0) | ~m.any(1)
+            live_here = ((sz > 0) | ~m).all(1)  # no element: not live (a 0-d chunk is)
             missing = ~out_here & ~has & live_here
-            short = ~out_here & has & (numel * itemsizes[ck] > stored)
+            cap = stored // itemsizes[ck].clamp(min=1)  # elements the entry can hold
+            # NOTE: [transformed entries] An entry with a storage transform (DCP's zstd
+            # extension) stores fewer bytes than its elements need: its size is checked when it
+            # is decoded (bounded by what the chunk declares), not here.
+            plain = torch.where(has, index.entry_transform[ent.clamp(min=0)] < 0, True)
+            short = ~out_here & has & live_here & plain & _more_than(sz, m, cap)
             outside[lo:hi] = out_here
             live[lo:hi] = live_here
             flag[lo:hi] = out_here | missing | short
@@ -894,7 +934,7 @@ def check(index: DcpIndex) -> StorageProblems:
     # entries by file first, then chunks whose data is shorter than they declare.
     final = [(index.names[int(index.entry_names[e])], why) for e, why in entry_bad.items()]
     final += declared
-    seen: set[tuple[str, str]] = set()
+    seen = {(key, why) for key, kind, why in problems if kind == "error"}  # listed already
     for key, why in final:
         if (key, why) not in seen:
             seen.add((key, why))
@@ -924,7 +964,9 @@ def _check_odd(
     itemsize = dtype.itemsize if dtype is not None else 0
     for i, ((o, s), e) in enumerate(zip(boxes, entries)):
         stored = int(index.entry_where[e, 1]) if e >= 0 else None
-        found, live = chunk_finding(o, s, shape, itemsize, stored)
+        found, live = chunk_finding(
+            o, s, shape, itemsize, stored, e >= 0 and int(index.entry_transform[e]) >= 0
+        )
         if live:
             good.append((o, s))
         if found is not None:

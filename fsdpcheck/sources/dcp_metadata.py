@@ -299,7 +299,18 @@ def _ints(value: Any, what: str, field: str, *, allow_negative: bool = False) ->
         raise CheckpointError(f"{what}: {field} is {_show(value)}, not a sequence of ints")
     if not allow_negative and any(v < 0 for v in value):
         raise CheckpointError(f"{what}: {field} {tuple(value)} has a negative entry")
+    if any(v >= _INT64 or v < -_INT64 for v in value):
+        raise CheckpointError(f"{what}: {field} {tuple(value)} has an entry {_PAST_INT64}")
     return tuple(value)
+
+
+# Sizes, offsets and lengths are 64-bit signed everywhere (torch, DCP, file offsets): a claim
+# past that is no checkpoint's (NOTE: [claimed sizes] in ``dcp_index``).
+_INT64 = 1 << 63
+_PAST_INT64 = (
+    "past 2**63 - 1, which no tensor or file can hold; the metadata is corrupt "
+    "(restore it from a copy, or save the checkpoint again)"
+)
 
 
 def validate_metadata(md: Any, what: str) -> None:
@@ -390,6 +401,8 @@ def validate_metadata(md: Any, what: str) -> None:
             v = getattr(info, name, None)
             if type(v) is not int or v < 0:
                 raise CheckpointError(f"{what}: {idx.fqn}: storage {name} is {_show(v)}")
+            if v >= _INT64:
+                raise CheckpointError(f"{what}: {idx.fqn}: storage {name} {v} is {_PAST_INT64}")
         td = getattr(info, "transform_descriptors", None)
         if td is not None and (
             not isinstance(td, (list, tuple)) or not all(isinstance(t, str) for t in td)
@@ -471,6 +484,7 @@ def chunk_finding(
     shape: tuple[int, ...],
     itemsize: int,
     stored: int | None,
+    transformed: bool = False,
 ) -> tuple[tuple[str, str] | None, bool]:
     """What is wrong with one saved chunk ((kind, message) or None) and whether it tiles.
 
@@ -480,6 +494,9 @@ def chunk_finding(
         shape: Its tensor's global shape.
         itemsize: Bytes per element.
         stored: Bytes of its storage entry (None: it has none).
+        transformed: Its entry has a storage transform: the stored bytes are encoded (e.g.
+            compressed), so their count says nothing of the elements (NOTE: [transformed
+            entries] in ``dcp_index``).
 
     Returns:
         The finding (kind "layout", "missing" or "error"), and whether the chunk takes part in
@@ -493,7 +510,7 @@ def chunk_finding(
     live = n > 0 or not shape
     if stored is None:
         return (("missing", no_entry(off)) if live else None), live
-    if n * itemsize > stored:
+    if not transformed and n * itemsize > stored:
         return ("error", short_data(off, n, itemsize, stored)), live
     return None, live
 
@@ -553,8 +570,9 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
         for c in meta.chunks:
             off, size = tuple(c.offsets), tuple(c.sizes)
             info = storage.get((key, off))
-            found, live = chunk_finding(off, size, shape, itemsize,
-                                        None if info is None else info.length)  # fmt: skip
+            stored = None if info is None else info.length
+            coded = bool(info is not None and info.transform_descriptors)
+            found, live = chunk_finding(off, size, shape, itemsize, stored, coded)
             if live:
                 boxes.append((off, size))
             if found is not None:
@@ -568,7 +586,7 @@ def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
             else:
                 overlapping.add(key)
                 problems.append((key, "layout", p))
-    seen = set()
+    seen = {(key, why) for key, kind, why in problems if kind == "error"}  # listed already
     for (fqn, _), why in bad.items():
         if (fqn, why) not in seen:
             seen.add((fqn, why))

@@ -38,7 +38,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -292,7 +292,7 @@ class _Machine:
 
     def __init__(
         self,
-        fd: int,
+        fd: int | Stream,
         what: str,
         resolve: Callable[[str, str], Any] | None,
         limit: int,
@@ -347,6 +347,12 @@ class _Machine:
         self.triggers: set[int] = set()
 
     # -- input ------------------------------------------------------------------------------
+    def read_window(self) -> bytes:
+        """The next window of the file (a local descriptor, or a stream from an object store)."""
+        if isinstance(self.fd, int):
+            return os.read(self.fd, WINDOW)
+        return self.fd.read(WINDOW)
+
     def need(self, n: int, soft: bool = False) -> None:
         """At least `n` bytes from `pos` in the buffer (reads on; StreamError at the end)."""
         if self.pos + n <= len(self.buf):
@@ -361,7 +367,7 @@ class _Machine:
         while have < n and not self.eof:
             # Never ask for more than a window at once: a length read from the file sizes no
             # allocation before those bytes exist.
-            data = os.read(self.fd, WINDOW)
+            data = self.read_window()
             if not data:
                 self.eof = True
                 break
@@ -788,7 +794,7 @@ class _Machine:
     def finish(self) -> None:
         """Reads the rest of the file (for the digest; bytes after STOP are ignored)."""
         while not self.eof:
-            data = os.read(self.fd, WINDOW)
+            data = self.read_window()
             if not data:
                 break
             self.read_total += len(data)
@@ -1033,8 +1039,22 @@ def _build(inst: Any, state: Any) -> None:
             setattr(inst, k, v)
 
 
+class Stream(Protocol):
+    """A file read from its start that is not a local descriptor (an object in a store)."""
+
+    size: int
+
+    def read(self, n: int) -> bytes:
+        """Up to `n` more bytes (b"" at the end)."""
+        ...
+
+    def seek(self, pos: int) -> int:
+        """Moves to `pos`."""
+        ...
+
+
 def read_metadata_stream(
-    fd: int,
+    fd: int | Stream,
     what: str,
     resolve: Callable[[str, str], Any] | None,
     limit: int,
@@ -1044,7 +1064,7 @@ def read_metadata_stream(
     """Reads an open ``.metadata`` from its start (see NOTE: [metadata columns]).
 
     Args:
-        fd: The open file (read from offset 0).
+        fd: The open file (read from offset 0), or a `Stream` of an object.
         what: The file, for messages.
         resolve: Builds an admitted DCP class (the mirrors); None builds DCP's own classes
             (then no column runs are made).
@@ -1065,12 +1085,21 @@ def read_metadata_stream(
 
 
 def _read(
-    fd: int, what: str, resolve: Callable[[str, str], Any] | None, limit: int, columns: bool
+    fd: int | Stream,
+    what: str,
+    resolve: Callable[[str, str], Any] | None,
+    limit: int,
+    columns: bool,
 ) -> Parsed:
-    os.lseek(fd, 0, os.SEEK_SET)
+    if isinstance(fd, int):
+        os.lseek(fd, 0, os.SEEK_SET)
+        size = os.fstat(fd).st_size
+    else:
+        fd.seek(0)
+        size = fd.size
     m = _Machine(fd, what, resolve, limit, columns)
     try:
-        md = on_a_deep_stack(m.load, min(limit, os.fstat(fd).st_size))
+        md = on_a_deep_stack(m.load, min(limit, size))
     except _TooLarge:
         raise ValueError(f"larger than {limit} bytes") from None
     except (struct.error, IndexError, TypeError, AttributeError, KeyError, UnicodeDecodeError,
@@ -1090,6 +1119,7 @@ __all__ = [
     "Fallback",
     "Parsed",
     "StorageRun",
+    "Stream",
     "StreamError",
     "digest_bytes",
     "read_metadata_stream",

@@ -9,7 +9,7 @@ import os
 import re
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +35,17 @@ from fsdpcheck.sources.base import (
 )
 from fsdpcheck.sources.rawio import (
     Mapped,
+    Readable,
     aligned_empty,
     damaged,
     map_guarded,
     map_private,
     mapped_view,
     populate,
+    pread,
     pread_into,
 )
+from fsdpcheck.sources.remote import RemotePath
 
 # An index.json larger than this is not an index (real ones are a few MB for huge models).
 _MAX_INDEX_BYTES = 256 << 20
@@ -246,16 +249,16 @@ class _Header:
         size: The file's size when the header was read.
     """
 
-    def __init__(self, path: Path, fd: int, size: int) -> None:
+    def __init__(self, path: Path | RemotePath, fd: Readable, size: int) -> None:
         what = f"safetensors file {path}"
-        head = os.pread(fd, 8, 0)
+        head = pread(fd, 8, 0)
         if len(head) != 8:
             raise CheckpointError(f"{what} is unreadable: shorter than its 8-byte header size")
         n = int.from_bytes(head, "little")
         if n > _MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{what} is unreadable: its header of {n} bytes does not fit "
                                   f"in the file of {size} bytes")  # fmt: skip
-        raw = os.pread(fd, n, 8)
+        raw = pread(fd, n, 8)
         if len(raw) != n:
             raise CheckpointError(f"{what} changed while it was read: it was truncated")
         self.base, self.size = 8 + n, size
@@ -445,6 +448,11 @@ def read_index(path: Path, what: str = "safetensors index") -> dict[str, str]:
             data = fh.read(_MAX_INDEX_BYTES + 1)
     finally:
         os.close(fd)
+    return parse_index(data, path, what)
+
+
+def parse_index(data: bytes, path: Path | RemotePath, what: str) -> dict[str, str]:
+    """The ``weight_map`` of an index's bytes (see `read_index`)."""
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:
@@ -497,7 +505,7 @@ class SafetensorsSource(Source):
             assert root is not None
             bad_files: dict[str, str] = {}
             for name in sorted(set(weight_map.values())):
-                why = file_problem(root, name, 0, f"index entry {name!r}")
+                why = self._file_problem(root, name, f"index entry {name!r}")
                 if why is not None:
                     bad_files[name] = why
                 else:
@@ -509,11 +517,7 @@ class SafetensorsSource(Source):
             opened = list(files)
         self._headers: dict[Path, _Header] = {}
         for f in opened:
-            fd, st = open_regular(f, "safetensors file")
-            try:
-                self._headers[f] = _Header(f, fd, st.st_size)
-            finally:
-                os.close(fd)
+            self._headers[f] = self._header(f)
         self._file_of: dict[str, Path] = {}
         self._entries: dict[str, Entry] = {}
         self._plain: dict[Path, mmap.mmap | None] = {}
@@ -572,6 +576,18 @@ class SafetensorsSource(Source):
                         self._problems.append((key, "error", self._refused[key]))
         for h in self._headers.values():
             h.drop_columns()  # NOTE: [safetensors entries]
+
+    def _header(self, f: Path) -> _Header:
+        """The parsed header of one file (opened by what it is, closed after)."""
+        fd, st = open_regular(f, "safetensors file")
+        try:
+            return _Header(f, fd, st.st_size)
+        finally:
+            os.close(fd)
+
+    def _file_problem(self, root: Path, name: str, what: str) -> str | None:
+        """Why the file an index names cannot be read at all (one line), or None."""
+        return file_problem(root, name, 0, what)
 
     def _add(self, key: str, f: Path, i: int) -> None:
         h = self._headers[f]
@@ -678,23 +694,43 @@ class SafetensorsSource(Source):
 
         Straight into `out` when the region is whole rows and `out` is contiguous.
         """
+        f, offset, buf, finish = self._copy_plan(r, out)
+        fd, _ = open_regular(f, "safetensors file")
+        try:
+            pread_into(fd, buf, offset, f"safetensors file {f}: {r.key}", f)
+        finally:
+            os.close(fd)
+        return finish()
+
+    def _copy_plan(
+        self, r: Region, out: torch.Tensor | None
+    ) -> tuple[Path, int, torch.Tensor, Callable[[], torch.Tensor]]:
+        """How `_copy` reads a region: (file, offset, CPU tensor to fill, then what to call).
+
+        The tensor is filled with the file's bytes from the offset on; the function then gives
+        the region (a view of those bytes, or `out` itself when they were read into it).
+        """
         f, start, dtype, shape = self._where(r.key)
         row = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
         r0, rows = (r.offset[0], r.size[0]) if shape else (0, 1)
-        whole = out is not None and out.is_contiguous() and tuple(r.size[1:]) == tuple(shape[1:])
-        buf = out.view(torch.uint8).view(-1) if whole and out is not None else aligned_empty(
+        whole = (
+            out is not None
+            and out.device.type == "cpu"
+            and out.is_contiguous()
+            and tuple(r.size[1:]) == tuple(shape[1:])
+        )
+        buf = out.view(-1).view(torch.uint8) if whole and out is not None else aligned_empty(
             rows * row)  # fmt: skip
-        fd, _ = open_regular(f, "safetensors file")
-        try:
-            pread_into(fd, buf, start + r0 * row, f"safetensors file {f}: {r.key}", f)
-        finally:
-            os.close(fd)
-        if whole and out is not None:
-            return out
-        t = buf.view(dtype).view((rows, *shape[1:]) if shape else ())
-        for d in range(1, len(shape)):
-            t = t.narrow(d, r.offset[d], r.size[d])
-        return t
+
+        def finish() -> torch.Tensor:
+            if whole and out is not None:
+                return out
+            t = buf.view(dtype).view((rows, *shape[1:]) if shape else ())
+            for d in range(1, len(shape)):
+                t = t.narrow(d, r.offset[d], r.size[d])
+            return t
+
+        return f, start + r0 * row, buf, finish
 
     def _refuse(self, regions: Sequence[Region]) -> None:
         for r in regions:

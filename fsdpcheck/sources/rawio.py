@@ -25,7 +25,7 @@ import threading
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,6 +40,9 @@ _MADV_WILLNEED = 3
 _MADV_POPULATE_READ = 22
 # A tensor's data.pkl is a few hundred bytes; a larger one is read the safe slow way.
 _MAX_PICKLE = 1 << 20
+#: Bytes read at each end of a chunk's blob to find its records (`_scan_fast`): its records
+#: (data.pkl, the data record's header; the central directory) fit, beyond that more is read.
+SCAN_SPAN = 8192
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
@@ -62,7 +65,7 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
-def _writable_view(t: torch.Tensor) -> memoryview:
+def writable_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte-range reads go into contiguous CPU tensors only")
@@ -70,7 +73,34 @@ def _writable_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = None) -> None:
+class RangeFile(Protocol):
+    """A file read by byte range that is not a local descriptor (an object in a store).
+
+    NOTE: [object storage] in ``remote``: the readers below take either an ``int`` descriptor
+    (local files: ``os.pread``, unchanged) or one of these.
+    """
+
+    size: int
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to `n` bytes at `offset` (fewer only at the end)."""
+        ...
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fills `view` from `offset`, or raises (never a partial buffer)."""
+        ...
+
+
+#: A local descriptor, or a file in an object store.
+Readable = int | RangeFile
+
+
+def pread(fd: Readable, n: int, offset: int) -> bytes:
+    """Up to `n` bytes of `fd` at `offset`."""
+    return os.pread(fd, n, offset) if isinstance(fd, int) else fd.pread(n, offset)
+
+
+def pread_into(fd: Readable, t: torch.Tensor, offset: int, what: str, path: Any = None) -> None:
     """Fills the contiguous CPU tensor `t` with the bytes of `fd` from `offset` on.
 
     Raises:
@@ -79,10 +109,18 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = Non
     n = t.numel() * t.element_size()
     if n == 0:
         return
-    view = _writable_view(t)
+    view = writable_view(t)
+    if not isinstance(fd, int):
+        fd.readinto(view, offset)  # the store names the object when it fails
+        return
     done = 0
     while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise located(
+                exc, path if path is not None else what, offset + done, n - done
+            ) from None
         if got <= 0:
             changed = f"{path} changed while it was read: it was truncated" if path else (
                 "the file changed after it was checked?")  # fmt: skip
@@ -90,6 +128,15 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, what: str, path: Any = Non
                 f"{what}: only {done} of {n} bytes could be read at byte {offset} ({changed})"
             )
         done += got
+
+
+def located(exc: OSError, path: Any, offset: int, n: int) -> OSError:
+    """`exc` (a failed read) naming its file and where: "Invalid argument" alone says nothing.
+
+    The same type (EIO stays an OSError, EACCES a PermissionError), with ``filename`` set, so
+    the one-line message is ``<file>: <what the system said> (reading <n> bytes at byte <o>)``.
+    """
+    return type(exc)(exc.errno, f"{exc.strerror} (reading {n} bytes at byte {offset})", str(path))
 
 
 _libc: Any = None
@@ -277,7 +324,7 @@ def populate(t: torch.Tensor) -> None:
 class _Window(io.RawIOBase):
     """Bytes ``[start, start + length)`` of an open file, as a seekable read-only file."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: Readable, start: int, length: int) -> None:
         super().__init__()
         self._fd, self._start, self._len, self._pos = fd, start, length, 0
 
@@ -299,7 +346,7 @@ class _Window(io.RawIOBase):
         n = min(len(b), self._len - self._pos)
         if n <= 0:
             return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
+        data = pread(self._fd, n, self._start + self._pos)
         b[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -307,7 +354,7 @@ class _Window(io.RawIOBase):
     def read_at(self, pos: int, n: int) -> bytes:
         if pos < 0 or pos + n > self._len:
             raise ValueError("outside the blob")
-        data = os.pread(self._fd, n, self._start + pos)
+        data = pread(self._fd, n, self._start + pos)
         if len(data) != n:
             raise ValueError("short read")
         return data
@@ -353,18 +400,24 @@ _layouts_lock = threading.Lock()
 
 
 def locate_chunk(
-    fd: int, start: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]
+    fd: Readable,
+    start: int,
+    length: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    span: int = SCAN_SPAN,
 ) -> RawChunk | None:
     """The raw location of a torch.save'd tensor chunk at ``[start, start + length)`` of `fd`.
 
     See NOTE: [raw DCP chunks]. Returns None whenever the blob is not exactly one uncompressed,
     little-endian tensor of `dtype` and `shape` whose bytes lie inside the blob; the caller then
-    reads it the safe slow way, which reports what is wrong with it.
+    reads it the safe slow way, which reports what is wrong with it. `span`: bytes read at each
+    end of the blob first (`scan_spans`).
     """
     if sys.byteorder != "little":
         return None
     try:
-        found = _scan_fast(fd, start, length) or _scan_zipfile(fd, start, length)
+        found = _scan_fast(fd, start, length, span) or _scan_zipfile(fd, start, length)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, struct.error):
         return None
     if found is None:
@@ -411,7 +464,15 @@ def _pick(names: list[str]) -> tuple[str, str, str] | None:
     return pkl[0], order[0], data[0]
 
 
-def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
+def scan_spans(start: int, length: int, span: int = SCAN_SPAN) -> list[tuple[int, int]]:
+    """(offset, bytes) of the reads `locate_chunk` starts with (one when the blob is small)."""
+    span = min(length, span)
+    if length <= 2 * span:
+        return [(start, length)]
+    return [(start, span), (start + length - span, span)]
+
+
+def _scan_fast(fd: Readable, start: int, length: int, span: int = SCAN_SPAN) -> _Found | None:
     """The records torch.save writes, from one read of each end of the blob (no zip64).
 
     Records are found as a zip reader finds them: the end record, the central directory, then
@@ -420,9 +481,11 @@ def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
     """
     if length < _EOCD.size:
         return None
-    span = min(length, 8192)
-    head = os.pread(fd, span, start)
-    tail = head if span == length else os.pread(fd, span, start + length - span)
+    span = min(length, span)
+    if 2 * span >= length:
+        span = length  # one read of the whole blob
+    head = pread(fd, span, start)
+    tail = head if span == length else pread(fd, span, start + length - span)
     if len(head) != span or len(tail) != span:
         return None
 
@@ -433,7 +496,7 @@ def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
             return head[off : off + n]
         if off >= length - span:
             return tail[off - (length - span) : off - (length - span) + n]
-        data = os.pread(fd, n, start + off)
+        data = pread(fd, n, start + off)
         if len(data) != n:
             raise ValueError("short read")
         return data
@@ -489,7 +552,7 @@ def _scan_fast(fd: int, start: int, length: int) -> _Found | None:
     return read(p_at, p_n), read(o_at, o_n), d_at, d_n
 
 
-def _scan_zipfile(fd: int, start: int, length: int) -> _Found | None:
+def _scan_zipfile(fd: Readable, start: int, length: int) -> _Found | None:
     """`_scan_fast` through the standard library's zip reader (zip64 and other variants)."""
     win = _Window(fd, start, length)
     with zipfile.ZipFile(io.BufferedReader(win, 1 << 14)) as zf:
@@ -526,7 +589,7 @@ def _overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def _layout(
-    pickled: bytes, fd: int, start: int, length: int
+    pickled: bytes, fd: Readable, start: int, length: int
 ) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int] | None:
     """(dtype, shape, stride, storage offset, storage bytes) that a chunk's data.pkl describes."""
     with _layouts_lock:
@@ -534,9 +597,11 @@ def _layout(
             return _layouts[pickled]
     try:
         # weights_only: torch's restricted unpickler; "meta": no storage bytes are read.
+        # An object in a store is read in small pieces: what the parse asks for, not more.
+        buffer = 1 << 14 if isinstance(fd, int) else 512
         t = on_a_deep_stack(
             lambda: torch.load(
-                io.BufferedReader(_Window(fd, start, length), 1 << 14),
+                io.BufferedReader(_Window(fd, start, length), buffer),
                 map_location="meta",
                 weights_only=True,
             ),

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fsdpcheck._unpickle import load_weights_only
-from fsdpcheck.errors import CheckpointError
+from fsdpcheck.errors import CheckpointError, describe_error
 from fsdpcheck.sources.base import one_line, open_regular
 from fsdpcheck.sources.dcp_index import DcpIndex
 from fsdpcheck.sources.dcp_metadata import (
@@ -39,8 +39,11 @@ from fsdpcheck.sources.dcp_metadata import (
     position,
     read_dcp_metadata,
 )
+from fsdpcheck.sources.rawio import locate_chunk, located
 
 __all__ = [
+    "NothingWrittenError",
+    "PartlyWrittenError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "StorageCheck",
@@ -108,6 +111,13 @@ class SafeFileSystemReader(FileSystemReader):
         self._bad: Callable[[str, tuple[int, ...] | None], str | None] | None = None
         self._chunk_bytes: Callable[[str, tuple[int, ...]], int | None] | None = None
         self._index: DcpIndex | None = None
+        #: Runs the check made before the first write (NOTE: [check before writing]); raises
+        #: on every rank when it failed on any (``collectives.agree``). None: runs it here.
+        self.agree: Callable[[Callable[[], None]], None] | None = None
+        #: Called once every check has passed, before the first byte is written.
+        self.before_writing: Callable[[], None] | None = None
+        #: Keys (DCP's flattened names) whose tensors this reader has written into, in order.
+        self.written: list[str] = []
 
     @classmethod
     def from_index(
@@ -120,7 +130,7 @@ class SafeFileSystemReader(FileSystemReader):
             bad: Why the storage entry at (key, chunk offsets or None) must not be read, or
                 None (what the opener's check found).
         """
-        reader = cls(index.root)
+        reader = cls(index.root)  # type: ignore[arg-type]  # RemoteSafeReader takes a RemotePath
         storage = _IndexStorage(index)
         reader.storage_data = storage  # type: ignore[assignment]  # a Mapping serves DCP
         reader._bad = bad
@@ -201,50 +211,179 @@ class SafeFileSystemReader(FileSystemReader):
         return MAX_VALUE if n is None else n + RECORD_SLACK
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Reads the plan's items after checking all of them (see the class docstring)."""
-        self._refuse_bad(plan.items)
+        """Reads the plan's items after checking all of them (see the class docstring).
+
+        NOTE: [check before writing] A load that fails half way leaves a model that is neither
+        the old one nor the checkpoint. So every item is checked before the first byte is
+        written: its storage entry (`_refuse_bad`), its region inside its chunk and the size of
+        its destination, its storage transform undone (within its bound, the output counted and
+        dropped: a decompression bomb is refused here), its blob's records located (or, when
+        they cannot be, the blob loaded ``weights_only``), and its non-tensor values loaded.
+        `agree` makes that one verdict for every rank of the load, so no rank writes while
+        another refuses. What can still fail while writing (a file changed meanwhile) raises
+        `PartlyWrittenError`, naming the keys written before it (`written`).
+        """
         per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for rel, reqs in per_file.items():
-            path = self.root / rel
-            fd, _ = open_regular(path, "DCP data file")
-            with os.fdopen(fd, "rb") as stream:
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    self._read_item(stream, path, req, planner)
+        values: dict[int, io.BytesIO] = {}
+
+        def check() -> None:
+            self._refuse_bad(plan.items)
+            for req in plan.items:
+                rel = self.storage_data[req.storage_index].relative_path
+                per_file.setdefault(rel, []).append(req)
+            for rel, reqs in per_file.items():
+                path = self.root / rel
+                fd, _ = open_regular(path, "DCP data file")
+                with os.fdopen(fd, "rb") as stream:
+                    for req in reqs:
+                        got = self._check_item(stream, path, req, planner)
+                        if got is not None:
+                            values[id(req)] = got
+
+        try:
+            if self.agree is not None:
+                self.agree(check)
+            else:
+                check()
+        except Exception as exc:  # the same on every rank of the load (`agree`)
+            raise NothingWrittenError(
+                str(exc) if isinstance(exc, CheckpointError) else describe_error(exc)
+            ) from None
+        if self.before_writing is not None:
+            self.before_writing()
+        tensors = sum(1 for r in plan.items if r.type != LoadItemType.BYTE_IO)
+        try:
+            for rel, reqs in per_file.items():
+                path = self.root / rel
+                fd, _ = open_regular(path, "DCP data file")
+                with os.fdopen(fd, "rb") as stream:
+                    for req in sorted(
+                        reqs, key=lambda r: self.storage_data[r.storage_index].offset
+                    ):
+                        if req.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(req, values.pop(id(req)))
+                        else:
+                            self._read_item(stream, path, req, planner)
+        except Exception as exc:  # other ranks may have written all of theirs by now
+            raise PartlyWrittenError(
+                f"{describe_error(exc)}; {_partly(self.written, tensors)}"
+            ) from None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_item(self, stream: Any, path: Path, req: ReadItem, planner: LoadPlanner) -> None:
+    def _offset(self, req: ReadItem) -> int:
+        return int(self.storage_data[req.storage_index].offset)
+
+    def _entry_bytes(self, stream: Any, path: Path, req: ReadItem) -> bytes:
+        """The bytes of `req`'s storage entry, its transform undone (bounded)."""
         info = self.storage_data[req.storage_index]
         what = f"{path}: {req.storage_index.fqn}"
-        stream.seek(info.offset)
         # The declared length, no more than the file holds (a length is not an allocation).
-        raw = stream.read(max(0, min(info.length, os.fstat(stream.fileno()).st_size - info.offset)))
+        n = max(0, min(info.length, os.fstat(stream.fileno()).st_size - info.offset))
+        try:
+            stream.seek(info.offset)
+            raw = stream.read(n)
+        except OSError as exc:
+            raise located(exc, path, info.offset, n) from None
         if len(raw) != info.length:
             raise CheckpointError(
-                f"{what}: only {len(raw)} of {info.length} bytes could be read ({path} changed "
-                "while it was read: it was truncated)"
+                f"{what}: only {len(raw)} of {info.length} bytes could be read at byte "
+                f"{info.offset} ({path} changed while it was read: it was truncated)"
             )
-        if info.transform_descriptors:
-            limit = self._limit(req)
-            try:
-                raw = self.transforms.transform_load_stream(
-                    req, info.transform_descriptors, io.BytesIO(raw)
-                ).read(limit + 1)
-            except Exception as exc:
-                raise CheckpointError(f"{what}: cannot undo its storage transform: "
-                                      f"{one_line(exc)}") from None  # fmt: skip
-            if len(raw) > limit:
-                raise CheckpointError(
-                    f"{what}: its storage transform ({', '.join(info.transform_descriptors)}) "
-                    f"inflates past {limit} bytes, more than the entry can hold; refusing it "
-                    "(a decompression bomb?)"
-                )
+        return self._decoded(raw, what, req)
+
+    def _decoded(self, raw: bytes, what: str, req: ReadItem) -> bytes:
+        """`raw` (all of `req`'s storage entry) with its storage transform undone, bounded."""
+        info = self.storage_data[req.storage_index]
+        if not info.transform_descriptors:
+            return raw
+        limit = self._limit(req)
+        try:
+            raw = self.transforms.transform_load_stream(
+                req, info.transform_descriptors, io.BytesIO(raw)
+            ).read(limit + 1)
+        except Exception as exc:
+            raise CheckpointError(f"{what}: cannot undo its storage transform: "
+                                  f"{one_line(exc)}") from None  # fmt: skip
+        if len(raw) > limit:
+            raise CheckpointError(
+                f"{what}: its storage transform ({', '.join(info.transform_descriptors)}) "
+                f"inflates past {limit} bytes, more than the entry can hold; refusing it "
+                "(a decompression bomb?)"
+            )
+        return raw
+
+    def use_bytes(self, raw: bytes, what: str, req: ReadItem, planner: LoadPlanner) -> None:
+        """Hands one storage entry's bytes (all `length` of them) to the planner, safely.
+
+        Undoes a storage transform (bounded, see the class docstring), then loads the blob
+        ``weights_only`` and copies the region the item asks for into its destination, or
+        hands a BYTE_IO value over re-serialised. For readers that fetch entries whole and
+        write as they go (``remote_dcp``); the local reader checks every item first (NOTE:
+        [check before writing]).
+        """
+        raw = self._decoded(raw, what, req)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, safe_bytes(raw, what))
             return
+        self._place(self._load_blob(raw, what, req), what, req, planner)
+
+    def _check_item(
+        self, stream: Any, path: Path, req: ReadItem, planner: LoadPlanner
+    ) -> io.BytesIO | None:
+        """Everything about one item that can fail, checked without writing.
+
+        See NOTE: [check before writing]. Returns a non-tensor value, loaded (None for a
+        tensor's region).
+        """
+        info = self.storage_data[req.storage_index]
+        what = f"{path}: {req.storage_index.fqn}"
+        if req.type == LoadItemType.BYTE_IO:
+            return safe_bytes(self._entry_bytes(stream, path, req), what)
+        target = planner.resolve_tensor(req)
+        if tuple(target.size()) != tuple(req.lengths):
+            raise CheckpointError(
+                f"{what}: destination of size {tuple(target.size())} for a region of size "
+                f"{tuple(req.lengths)}"
+            )
+        chunk = self._chunk_meta(req)
+        if chunk is not None and (
+            len(chunk[1]) != len(req.lengths)
+            or any(o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, chunk[1]))
+        ):
+            raise CheckpointError(
+                f"{what}: the region at {tuple(req.storage_offsets)} of size "
+                f"{tuple(req.lengths)} lies outside its chunk of size {tuple(chunk[1])}"
+            )
+        if not info.transform_descriptors and chunk is not None:
+            dtype, sizes = chunk
+            if locate_chunk(stream.fileno(), info.offset, info.length, dtype, sizes) is not None:
+                return None  # one plain tensor of the chunk's dtype and shape, within its blob
+        self._load_blob(self._entry_bytes(stream, path, req), what, req)  # then dropped
+        return None
+
+    def _chunk_meta(self, req: ReadItem) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """The dtype and sizes of the saved chunk `req` reads from, by the metadata."""
+        fqn, offsets = position(req.storage_index)
+        if offsets is None:
+            return None
+        if self._index is not None:
+            idx = self._index
+            k = idx.key_id.get(fqn)
+            i = idx.position_of(fqn, offsets) if k is not None and idx.tensor[k] else None
+            dtype = idx.dtypes[k] if k is not None else None
+            if i is None or dtype is None:
+                return None
+            return dtype, tuple(idx.chunk(fqn, i)[1])
+        meta = getattr(self._metadata, "state_dict_metadata", {}).get(fqn)
+        for c in getattr(meta, "chunks", None) or ():
+            if tuple(c.offsets) == tuple(offsets):
+                return meta.properties.dtype, tuple(c.sizes)  # type: ignore[union-attr]
+        return None
+
+    def _load_blob(self, raw: bytes, what: str, req: ReadItem) -> torch.Tensor:
+        """The saved chunk of `req`, loaded ``weights_only`` and checked to hold its region."""
         try:
             blob = load_weights_only(raw, map_location="cpu")
         except Exception as exc:
@@ -260,6 +399,15 @@ class SafeFileSystemReader(FileSystemReader):
                 f"region at {tuple(req.storage_offsets)} of size {tuple(req.lengths)} that "
                 ".metadata places in it"
             )
+        return blob
+
+    def _read_item(self, stream: Any, path: Path, req: ReadItem, planner: LoadPlanner) -> None:
+        what = f"{path}: {req.storage_index.fqn}"
+        self._place(self._load_blob(self._entry_bytes(stream, path, req), what, req), what, req,
+                    planner)  # fmt: skip
+
+    def _place(self, blob: torch.Tensor, what: str, req: ReadItem, planner: LoadPlanner) -> None:
+        """Copies `req`'s region of the loaded chunk `blob` into its destination."""
         src = _narrow(blob, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
@@ -269,6 +417,27 @@ class SafeFileSystemReader(FileSystemReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+        self.written.append(req.dest_index.fqn)
+
+
+class NothingWrittenError(CheckpointError):
+    """A load refused before it wrote anything (on any rank, when the check was agreed)."""
+
+
+class PartlyWrittenError(CheckpointError):
+    """A load failed after it had written into some of the destination tensors (named)."""
+
+
+def _partly(written: list[str], total: int) -> str:
+    """The words for a load that wrote `written` (of `total` items) before it failed."""
+    if not written:
+        return f"none of the {total} tensor regions this rank loads was written before it"
+    keys = list(dict.fromkeys(written))
+    shown_keys = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    return (
+        f"{len(written)} of the {total} tensor regions this rank loads were written before it "
+        f"({shown_keys}), the rest were not"
+    )
 
 
 #: Bytes a non-tensor value may inflate to through a storage transform.
