@@ -93,8 +93,11 @@ def _state(state: Mapping[str, Any]) -> str:
     h = hashlib.blake2b(digest_size=8)
     n = 0
     for k, v in sorted(state.items(), key=lambda kv: str(kv[0])):
-        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-        dtype = v.dtype if isinstance(v, torch.Tensor) else ""
+        try:
+            shape: Any = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            dtype: Any = v.dtype if isinstance(v, torch.Tensor) else ""
+        except Exception:  # a tensor kind without sizes (nested, ...): named by its type
+            shape, dtype = type(v).__name__, ""
         h.update(f"{k}\0{shape}\0{dtype}\0".encode())
         n += 1
     return f"of {n} entries {h.hexdigest()}"

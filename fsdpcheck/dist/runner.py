@@ -171,8 +171,12 @@ class Call:
             if _FAULT is not None:
                 _FAULT(self, step)
             return fn()
-        except BaseException as exc:  # torch's CheckpointException derives from BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit, RankStoppedError, RankFailure)):
+        except BaseException as exc:
+            # Failures are Exceptions, and torch's CheckpointException (a BaseException); other
+            # BaseExceptions (KeyboardInterrupt, a caller's own) go through as they are.
+            if isinstance(exc, (RankStoppedError, RankFailure)) or not (
+                isinstance(exc, Exception) or type(exc).__name__ == "CheckpointException"
+            ):
                 raise
             self._fail(exc, step)
             return default  # type: ignore[no-any-return]
