@@ -186,12 +186,10 @@ def _fingerprint_report(
     from fsdpcheck.dist.runner import ARGUMENTS
 
     def setup() -> Any:
-        c.arguments(optimizer=given(optimizer), convert=convert)
-        if convert is not None:
-            return convert
-        from fsdpcheck.convert.declared import declared_conversion
+        from fsdpcheck.convert.declared import stated_or_declared
 
-        return declared_conversion(model_or_state_dict)
+        c.arguments(optimizer=given(optimizer), convert=convert)
+        return stated_or_declared(model_or_state_dict, convert)
 
     convert = c.local(ARGUMENTS, setup)
     live = c.local("reading the live state", lambda: live_state(model_or_state_dict, optimizer))
@@ -199,7 +197,9 @@ def _fingerprint_report(
     assert live is not None
     result = FingerprintResult()
     if convert is not None:
-        return _converted_fingerprints(c, ks, live, convert, result)
+        converted = _converted_fingerprints(c, ks, live, convert, result)
+        if converted is not None:
+            return converted
     result.tied = dict(ks.live.tied)
     result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
@@ -304,13 +304,14 @@ def _uncovered(key: str, c: Any, numel: int) -> Finding:
 
 def _converted_fingerprints(
     c: Any, ks: Any, live: Any, convert: Any, result: FingerprintResult
-) -> FingerprintResult:
+) -> FingerprintResult | None:
     """``fingerprint`` through a conversion: the parts of the targets each rank holds, hashed.
 
     Every rank compiles the conversion from the job's names and global shapes (the same
     everywhere, or a failure agreed on at the next agreement), hashes the parts of each target
     its shards hold at the target's global indices, and the sums are combined as for any key: a
-    target's fingerprint is that of the converted tensor.
+    target's fingerprint is that of the converted tensor. None: the model's declared layout is
+    the live one (nothing to convert).
     """
     from fsdpcheck.layout import Meta
     from fsdpcheck.reading.live import (
@@ -318,6 +319,7 @@ def _converted_fingerprints(
         compile_for_live,
         local_parts,
         source_layouts,
+        tied_targets,
     )
     from fsdpcheck.reading.plan import cast_as, kernel_box
     from fsdpcheck.stats import KeyStats
@@ -327,15 +329,20 @@ def _converted_fingerprints(
         "compiling the conversion",
         lambda: compile_for_live(convert, ks.live, buffers=buffer_names(live)),
     )
-    if conv is None:  # failed here: the agreement below ends the call on every rank
+    if c.failed:  # failed here: the agreement below ends the call on every rank
         c.check("compiling the conversion")
-    assert conv is not None
+    if conv is None:  # compiled from agreed names: None on every rank alike
+        return None
     local: list[Finding] = []
     broken = conv.target_problems()  # compiled from the job's names: the same on every rank
     state = {k: v for k, v in ks.live.tensors().items() if k.startswith("optim.state.")}
-    keys = sorted(set(conv.targets) | set(state))
+    # A tied duplicate is listed once, under its first name (as without a conversion).
+    tied = tied_targets(conv, ks.live.tied)
+    keys = sorted((set(conv.targets) - set(tied)) | set(state))
     result.metas = {k: state[k] for k in state}
-    result.metas.update({k: Meta(t.shape, t.dtype) for k, t in conv.targets.items()})
+    result.metas.update(
+        {k: Meta(t.shape, t.dtype) for k, t in conv.targets.items() if k not in tied}
+    )
     stats = [KeyStats() for _ in keys]
     shapes = {k: v[0] for k, v in conv.sources.items()}
     cache: dict[str, Any] = {}

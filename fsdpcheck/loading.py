@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,6 +20,8 @@ import torch
 from fsdpcheck import matching
 from fsdpcheck._collector import paused
 from fsdpcheck.collectives import digest
+from fsdpcheck.convert import Conversion, Target
+from fsdpcheck.convert.declared import stated_or_declared
 from fsdpcheck.dist.arguments import given
 from fsdpcheck.dist.runner import ARGUMENTS, Call, RankFailure, call
 from fsdpcheck.errors import (
@@ -35,6 +37,13 @@ from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer, model_parts
 from fsdpcheck.manifest import Manifest, read_manifest
 from fsdpcheck.opening import open_checked
+from fsdpcheck.reading.live import (
+    buffer_names,
+    compile_for_live,
+    converted_reads,
+    converted_state,
+    write_in_place,
+)
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
@@ -104,8 +113,12 @@ def load(
             before loading, and report elements the load never wrote.
         key_map: Live key -> checkpoint key or name, or prefix rules, as for ``verify``.
         group: The process group.
-        convert: How the live layout becomes the checkpoint's, for the check after the load
-            (``fsdpcheck.convert``, as for ``verify``; None: the model's declared one, if any).
+        convert: How the live layout becomes the checkpoint's (``fsdpcheck.convert``, as for
+            ``verify``; None: the model's declared one, if any). The model tensors are then
+            loaded through it, with nothing gathered: each rank reads the reference regions
+            its own shards' pieces name and writes them into its shards (the optimizer state
+            keeps the parameters' names and is loaded as usual); the check after the load
+            goes through it too.
         timeout: Seconds a rank waits in one collective (DCP's included) for the others before
             it names the ranks that did not answer (default: the process group's timeout,
             which is this for the call's length).
@@ -212,23 +225,43 @@ def _loaded(
             f"checkpoint; nothing was loaded. {hint}"
         )
     work = c.step(
-        f"pairing {path} with the model", lambda: _pair(model, optimizer, info, source, key_map)
+        f"pairing {path} with the model",
+        lambda: _pair(model, optimizer, info, source, key_map, convert),
     )
+    writes: list[Any] = []
+    conv = work.conv
+    if conv is not None:
+        # Model tensors through the conversion: each rank reads the regions its own pieces
+        # name, and every rank agrees the reads succeeded; they are written with the rest.
+        items = work.match.items
+        writes = c.step(
+            f"reading {path}",
+            lambda: converted_reads(work.source, items, conv, work.values, comm.world),
+        )
     # Sentinels go in once everything that can fail before the first write has passed
     # (NOTE: [check before writing] in sources/safe_reader): a refused load leaves the model
-    # as it was, not full of sentinels.
+    # as it was, not full of sentinels. The converted pieces are written then too, after them.
     marked: list[Any] = []
+    wrote: list[bool] = []
 
     def fill() -> None:
-        marked.extend(fill_sentinel(model, optimizer))
+        if wrote:
+            return
+        wrote.append(True)
+        if sentinel:
+            marked.extend(fill_sentinel(model, optimizer))
+        write_in_place(writes)
 
+    first_write = fill if sentinel or writes else None
     if info.kind == "sharded":
-        _load_dcp(work, group, c, fill if sentinel else None)
+        _load_dcp(work, group, c, first_write)
+        if conv is not None:  # DCP may have had nothing to read (every model tensor converted)
+            c.step("writing the converted tensors", fill)  # a no-op where it wrote
     else:
         # Reading is local and may fail on one rank: agree on it before torch's collectives.
         full, osd = c.step(f"reading {path}", lambda: _read_full(work))
-        if sentinel:
-            c.step("sentinel", fill)
+        if first_write is not None:
+            c.step("sentinel", first_write)
         with comm.foreign(f"setting the model's shards from {path}"):
             _apply_full(work, full, osd)
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
@@ -391,10 +424,23 @@ class _Work:
     raw: dict[str, str]  # canonical model name -> the model state dict's own key
     raw_param: dict[str, str]  # canonical parameter -> the optimizer state dict's own key
     hparams: dict[str, Any]  # the paired param groups' saved hyperparameters, by key
+    conv: Conversion | None = None  # the model tensors are loaded through it (when given)
+    values: dict[str, Any] = field(default_factory=dict)  # live tensors of its sources
 
 
-def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_map: Any) -> _Work:
-    """The live state (optimizer state created if it has none) paired with the checkpoint."""
+def _pair(
+    model: Any,
+    optimizer: Any,
+    info: CheckpointInfo,
+    source: Source,
+    key_map: Any,
+    convert: Any = None,
+) -> _Work:
+    """The live state (optimizer state created if it has none) paired with the checkpoint.
+
+    Through a conversion, the model's names are the conversion's targets (compiled from this
+    rank's names and global shapes), and the model tensors are not handed to torch's loaders.
+    """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -404,7 +450,14 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     if parts is None:
         raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
     keys = checkpoint_keys(source)
-    msds = [get_model_state_dict(p) for p in parts]
+    conv = None
+    convert = stated_or_declared(model, convert)
+    if convert is not None:
+        names = live_state(parts)
+        other = set(keys.model) | {r.key for r in keys.rows}
+        conv = compile_for_live(convert, names.names_only(), other, buffer_names(names))
+    # Through a conversion the live layout is read as it is held (``live_state``).
+    msds = [get_model_state_dict(p) for p in parts] if conv is None else None
     opts: list[Any] = []
     osds: list[Any] = []
     osd = None
@@ -427,9 +480,10 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
             "param_groups": [g for o in osds for g in o["param_groups"]],
         }
     live = live_state(parts, osd, model_state=msds)
-    m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
+    job = live if conv is None else converted_state(live, conv)
+    m = matching.match_live(job, keys, read_objects=source.read_objects, key_map=key_map)
     raw: dict[str, str] = {}
-    for part, msd in zip(parts, msds):
+    for part, msd in zip(parts, msds or []):
         canon = model_canonicalizer(part)
         raw.update({canon(k): k for k in msd})
     canon = model_canonicalizer(parts[0]) if len(parts) == 1 else (lambda n: n)
@@ -437,7 +491,9 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
     wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
     hparams = source.read_objects(wanted) if wanted and osd is not None else {}
-    return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
+    values = {**live.model, **live.buffers} if conv is not None else {}
+    return _Work(info, parts, opts, source, m, msds or [], osds, osd, raw, raw_param, hparams,
+                 conv, values)  # fmt: skip
 
 
 def _load_dcp(
@@ -472,8 +528,8 @@ def _load_dcp(
         states: list[dict[str, Any]] = [{} for _ in parts]
         tied = {row.a for row in w.match.rows if row.status == "tied"}
         for item in w.match.items:
-            if item.key in tied:
-                continue  # the same tensor as the parameter it is tied to
+            if item.key in tied or isinstance(item.value, Target):
+                continue  # the same tensor as the parameter it is tied to; loaded converted
             _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
         return parts, states
 
@@ -598,6 +654,8 @@ def _read_full(w: _Work) -> tuple[dict, dict | None]:
     full: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for item in w.match.items:
+        if isinstance(item.value, Target):
+            continue  # loaded through the conversion
         e = entries[item.ckpt_key]
         (value,) = w.source.read([_whole(e)], cpu)
         if item.is_param_state:
@@ -621,7 +679,7 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
     )
 
     options = StateDictOptions(full_state_dict=True, strict=False)
-    for part, msd in zip(w.parts, w.msds):
+    for part, msd in zip(w.parts, w.msds):  # none through a conversion
         mine = {k: v for k, v in full.items() if k in msd}
         set_model_state_dict(part, cast(Any, mine), options=options)
     if osd is not None:

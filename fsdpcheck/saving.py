@@ -213,11 +213,19 @@ def _save_state(model: Any, optimizers: list[Any]) -> dict[str, Any]:
         get_optimizer_state_dict,
     )
 
+    from fsdpcheck.convert.declared import has_own_hooks
+
     parts = model_parts(model)
     if parts is None:
         raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
     msd: dict[str, Any] = {}
     for part in parts:
+        if has_own_hooks(part):  # NOTE: [own state-dict hooks] in ``live``
+            raise TypeError(
+                f"fsdpcheck.save cannot save {type(part).__name__}: its modules' own state-dict "
+                "hooks change what it saves (and would gather it); save it with its library's "
+                "checkpointer and check that with fsdpcheck.verify, which follows the hooks"
+            )
         msd.update(get_model_state_dict(part))
     if not optimizers:
         return {"model": msd}

@@ -36,7 +36,7 @@ from fsdpcheck.box import Box
 from fsdpcheck.checks import coverage, pair_checks, problem_findings
 from fsdpcheck.collectives import capped_findings, combine, digest, findings_of
 from fsdpcheck.convert import Conversion, Piece, Target
-from fsdpcheck.convert.declared import declared_conversion
+from fsdpcheck.convert.declared import stated_or_declared
 from fsdpcheck.convert.pieces import target_box
 from fsdpcheck.dist.arguments import given
 from fsdpcheck.dist.runner import ARGUMENTS, Call, Failure, RankFailure, call
@@ -152,8 +152,11 @@ def verify(
             Conversion). Every rank compiles it from the job's names and global shapes, once,
             without running it on data, and compares the parts of the converted tensors its
             shards hold; findings are in the reference's names and indices, with the live
-            key, index and rank of each maximum. None: the model's own declared conversion
-            (``fsdpcheck.convert.declared``), if any.
+            key, index and rank of each maximum. A model whose modules have state-dict hooks
+            of their own (torchtitan's ``FusedQKVLinear``) is read as it is held and its
+            hooks come first, traced on meta copies. None: the layout the model declares
+            (``fsdpcheck.convert.declared``: its state dict's, or a layout its library saves,
+            whichever names the reference holds), if any.
         timeout: Seconds a rank waits in one collective for the others before it names the
             ranks that did not answer (``RankStoppedError`` on every rank that still answers);
             default: the process group's timeout, which is this for the call's length.
@@ -192,7 +195,7 @@ def verify(
                     ignore=settings.ignore,
                     convert=convert,
                 )
-                return settings, convert if convert is not None else declared_conversion(model)
+                return settings, stated_or_declared(model, convert)
 
             settings, conv = c.local(ARGUMENTS, setup, (None, None))
             live = c.local("reading the live state", lambda: live_state(model, optimizer))
@@ -481,6 +484,7 @@ def _prepare(
         # The same on every rank: compiled from the job's names and global shapes.
         other = set(ckpt.model) | {r.key for r in ckpt.rows}
         conv = compile_for_live(convert, ks.live, other, buffer_names(live))
+    if conv is not None:
         job = converted_state(ks.live, conv)
         extra, rows = coverage(conv)
     m = matching.match_live(

@@ -68,14 +68,18 @@ def verify_after_load(
         The Report, identical on every rank. An OK report with a note when nothing was loaded
         (a fresh start, or a disabled checkpointer).
 
+    A load from Hugging Face safetensors (``initial_load_in_hf``) is checked through the
+    checkpointer's state dict adapter (``convert=``), model only.
+
     Raises:
-        ValueError: On every rank, for a load from Hugging Face safetensors (converted by a
-            state dict adapter, so names and dtypes differ).
+        ValueError: On every rank, for a load from Hugging Face safetensors when the
+            checkpointer holds no state dict adapter.
         RanksDisagreeError: The ranks found different folders (or `step` differs).
     """
     with call("torchtitan verify_after_load", group, timeout) as c:
         enabled = bool(getattr(checkpointer, "enable", False))
-        c.arguments(step=step, enabled=enabled, optimizers=given(optimizers))
+        adapter = given(getattr(checkpointer, "sd_adapter", None))
+        c.arguments(step=step, enabled=enabled, optimizers=given(optimizers), adapter=adapter)
         try:
             folder, model_only = c.step(
                 "finding the checkpoint torchtitan loaded",
@@ -107,11 +111,15 @@ def _verify_loaded(
     if folder is None:
         return Report(world_size=world, notes=["no checkpoint was loaded (a fresh start)"])
     if model_only == "hf":
-        raise ValueError(
-            f"{folder} was loaded from Hugging Face safetensors through a state dict adapter "
-            "(names and dtypes converted); check the converted model with fsdpcheck.verify "
-            "and a key_map instead"
-        )
+        # Loaded through the checkpointer's state dict adapter: checked through its to_hf.
+        adapter = getattr(checkpointer, "sd_adapter", None)
+        if adapter is None:
+            raise ValueError(
+                f"{folder} was loaded from Hugging Face safetensors through a state dict "
+                "adapter the checkpointer no longer holds; check the model with "
+                "fsdpcheck.verify(model, folder, convert=adapter)"
+            )
+        verify_kwargs.setdefault("convert", adapter)
     optimizer = None if model_only else _optimizers(checkpointer, optimizers)
     model = parts[0] if len(parts) == 1 else list(parts)
     report = verify_resumed(model, folder, optimizer=optimizer, group=group, **verify_kwargs)
