@@ -63,8 +63,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             # Every library is checked before the folder exists, so that a missing one skips
             # each test that needs it (not only the first) and a failed build fails each one
             # with its own error rather than "File exists".
-            _needs(*{"torchtune": ("torchtune", "transformers"),
-                     "litgpt": ("litgpt", "transformers")}.get(name, ("transformers",)))  # fmt: skip
+            needs = {"torchtune": ("torchtune",), "litgpt": ("litgpt",)}.get(name, ())
+            _needs(*needs, "transformers")
             folder = root / name
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
