@@ -22,7 +22,7 @@ from fsdpcheck.errors import FingerprintError
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.report import Finding, Report, normalized
+from fsdpcheck.report import Finding, Report, normalized, uncovered
 from fsdpcheck.sources import Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.remote import RemotePath, location
@@ -278,28 +278,11 @@ def _combined(
         if cb.replicas_disagree:
             findings.append(Finding.replica(key, cb.replica_groups))
         if cb.covered != n:
-            findings.append(_uncovered(key, cb, n))
+            findings.append(uncovered(key, cb.covered, cb.held_by, n, "parts"))
             continue
         result.fingerprints[key] = cb.fingerprint
     result.findings = normalized(findings)
     return result
-
-
-def _uncovered(key: str, c: Any, numel: int) -> Finding:
-    """The ranks' parts of `key` do not tile it: its fingerprint would be wrong."""
-    held = c.held_by
-    who = ""
-    if held is not None:
-        none = [r for r, n in enumerate(held) if n <= 0]
-        some = [r for r, n in enumerate(held) if n > 0]
-        who = f"; held by ranks {some}" + (f", not by ranks {none}" if none else "")
-    return Finding(
-        key,
-        "layout",
-        f"the ranks' parts cover {c.covered} of {numel} elements (overlapping or missing "
-        f"shards{who}); its fingerprint would be wrong",
-        ranks=[r for r, n in enumerate(held or []) if n > 0],
-    )
 
 
 def _converted_fingerprints(

@@ -63,7 +63,7 @@ from fsdpcheck.reading.plan import (
     target_view,
 )
 from fsdpcheck.readplan import Arena
-from fsdpcheck.report import Finding, MappingRow, Report, normalized
+from fsdpcheck.report import Finding, MappingRow, Report, normalized, uncovered
 from fsdpcheck.sources import Region, Source, checkpoint_notes, prefetch
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.stats import KeyStats
@@ -267,7 +267,7 @@ def _verify(
         if c_.holders and not c_.errors:
             checked += 1
             if c_.covered != n:
-                findings.append(_uncovered(item.key, c_, n))
+                findings.append(uncovered(item.key, c_.covered, c_.held_by, n, "shards"))
         if c_.mismatched > 0:
             dtype = getattr(torch, item.value.dtype) if item.value is not None else entry.dtype
             rtol_, atol_ = tolerance(dtype, entry.dtype, s.rtol, s.atol)
@@ -334,33 +334,6 @@ class _Once:
 def _numel(item: Any, entries: Mapping[str, Any]) -> int:
     shape = item.value.shape if item.value is not None else entries[item.ckpt_key].shape
     return math.prod(shape)
-
-
-def _uncovered(key: str, c: Any, numel: int) -> Finding:
-    """The ranks' shards of `key` do not tile it: elements held by no rank, or by two."""
-    held = c.held_by
-    who = ""
-    if held is not None:
-        none = [r for r, n in enumerate(held) if n <= 0]
-        some = [r for r, n in enumerate(held) if n > 0]
-        who = (
-            f" (held by ranks {_few(some)}; ranks {_few(none)} hold none of it)"
-            if none
-            else (f" (held by ranks {_few(some)})")
-        )
-    what = "are held by no rank" if c.covered < numel else "are counted twice (overlapping shards)"
-    gap = abs(numel - c.covered)
-    return Finding(
-        key,
-        "layout",
-        f"the ranks' shards cover {c.covered} of its {numel} elements: {gap} {what}{who}; "
-        "did every rank pass the same model and optimizer, with every shard?",
-        ranks=[r for r, n in enumerate(held or []) if n > 0],
-    )
-
-
-def _few(ranks: list[int]) -> str:
-    return str(ranks) if len(ranks) <= 16 else f"{ranks[:16]} and {len(ranks) - 16} more"
 
 
 def _named(reference: Any) -> str:
