@@ -21,7 +21,9 @@ from fsdpcheck.formats.base import (
     CheckpointInfo,
     CheckpointLayout,
     KeyGrammar,
+    Part,
     Probe,
+    Reader,
     is_dcp_dir,
 )
 from fsdpcheck.formats.dcp import Dcp
@@ -141,6 +143,8 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointLayout",
     "KeyGrammar",
+    "Part",
+    "Reader",
     "accelerate_parts",
     "describe_path",
     "grammar_of",

@@ -22,23 +22,28 @@ The ``zero/`` folder is read by ``fsdpcheck.sources.ds_universal``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
 from fsdpcheck.formats.deepspeed import is_model_states
+
+if TYPE_CHECKING:
+    from fsdpcheck.sources.base import Source
+    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.remote import RemotePath
 
 ZERO = "zero"
 LATEST = "latest_universal"
 OPTIMIZER_STATE = "optimizer_state.pt"
 
 
-def is_universal_zero(path: Path) -> bool:
-    """Whether `path` is the ``zero/`` folder of a universal checkpoint (model states beside it)."""
-    if path.name != ZERO or not path.is_dir():
-        return False
-    try:
-        return any(is_model_states(q.name) for q in path.parent.iterdir())
-    except OSError:
-        return False
+def read_zero(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
+    """The reader of the ``zero/`` folder: each parameter's fp32 weight and moments, whole."""
+    del trust
+    from fsdpcheck.sources.ds_universal import UniversalZeroSource  # NOTE: [readers import lazily]
+
+    return UniversalZeroSource(path)  # type: ignore[arg-type]  # a local path
 
 
 def model_states(folder: Path) -> list[Path]:
@@ -85,9 +90,11 @@ class DeepSpeedUniversal(CheckpointLayout):
             self.name,
             "full",
             f"a DeepSpeed universal checkpoint ({folder.name}/: {ZERO}/, {states[0].name})",
-            [states[0], folder / ZERO],
+            [
+                Part(states[0], "any", readers.torch_save),
+                Part(folder / ZERO, "optimizer", read_zero),
+            ],
             notes,
-            roles=["any", "optimizer"],
         )
 
 

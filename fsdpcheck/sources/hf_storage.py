@@ -92,6 +92,7 @@ class HFStorageSource(Source):
     """
 
     kind = "safetensors"
+    flat_names = True
     is_sharded = True
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
