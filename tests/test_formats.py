@@ -208,6 +208,23 @@ def test_flat_names_are_a_property_of_the_storage():
     assert not hasattr(KeyGrammar(), "flat_names")
 
 
+def test_torchtitan_latest_step_is_one_rule(tmp_path):
+    from fsdpcheck.formats import torchtitan
+    from fsdpcheck.integrations import torchtitan as titan_integration
+
+    root = tmp_path / "checkpoint"
+    for n in (2, 10, 9):
+        _dcp(root / f"step-{n}")
+    (root / "step-11").mkdir()  # not finished: no .metadata
+    _folder(root / "step-12", "model.safetensors.index.json")  # a save in Hugging Face format
+    assert titan_integration.latest_step_folder is torchtitan.latest_step_folder
+    assert torchtitan.latest_step_folder(root) == root / "step-12"
+    assert torchtitan.step_folders(root) == [root / f"step-{n}" for n in (2, 9, 10, 12)]
+    with pytest.raises(ValueError, match=r"with 3 step\(s\); pass one of them, e.g. .*step-10"):
+        describe_path(root)
+    assert torchtitan.latest_step_folder(tmp_path / "nothing") is None
+
+
 def test_megatron_optimizer_keys_name_the_state_first():
     g = grammar_of("megatron")
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
