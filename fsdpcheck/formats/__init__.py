@@ -3,8 +3,9 @@
 ``describe_path`` is what ``open_source``, ``load``, ``audit`` and ``inspect`` all ask. Each
 layout module (``fsdpcheck/formats/<layout>.py``) recognises its writer's checkpoints from file
 names and small marker files only (never unpickling anything) and states its key grammar and
-quirks; ``LAYOUTS`` is the ordered registry (first match wins: the more specific layouts come
-first). Adding a layout is a new module here, one line in ``LAYOUTS``, and its corpus test.
+quirks, and names the reader of each part it finds (``Part``; ``formats.readers``); ``LAYOUTS``
+is the ordered registry (first match wins: the more specific layouts come first). Adding a
+layout is a new module here, one line in ``LAYOUTS``, and its corpus builder (``tests/corpus/``).
 """
 
 from __future__ import annotations
