@@ -13,11 +13,9 @@ from pathlib import Path
 
 from fsdpcheck.formats import readers
 from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
+from fsdpcheck.sources.ds_universal import is_model_states
 
-
-def is_model_states(name: str) -> bool:
-    """DeepSpeed model states (ZeRO-1/2: ``mp_rank_XX_...``; ZeRO-3: ``zero_pp_rank_R_...``)."""
-    return name.endswith("_model_states.pt") and "mp_rank_" in name
+__all__ = ["DeepSpeed", "is_model_states"]
 
 
 class DeepSpeed(CheckpointLayout):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from fsdpcheck.formats import readers
 from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
 from fsdpcheck.formats.deepspeed import is_model_states
+from fsdpcheck.sources.ds_universal import OPTIMIZER_STATE, UniversalZeroSource, model_states
 
 if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
@@ -35,20 +36,12 @@ if TYPE_CHECKING:
 
 ZERO = "zero"
 LATEST = "latest_universal"
-OPTIMIZER_STATE = "optimizer_state.pt"
 
 
 def read_zero(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """The reader of the ``zero/`` folder: each parameter's fp32 weight and moments, whole."""
     del trust
-    from fsdpcheck.sources.ds_universal import UniversalZeroSource  # NOTE: [readers import lazily]
-
     return UniversalZeroSource(path)  # type: ignore[arg-type]  # a local path
-
-
-def model_states(folder: Path) -> list[Path]:
-    """The ``*mp_rank_*_model_states.pt`` files of a universal folder, in rank order."""
-    return sorted(q for q in folder.iterdir() if is_model_states(q.name) and q.is_file())
 
 
 class DeepSpeedUniversal(CheckpointLayout):

@@ -10,41 +10,25 @@ its boxes) and every rank keeps its part.
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
+from fsdpcheck.sources.hf_storage import SHARD_NAME, HFStorageSource, shard_files
 
 if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
     from fsdpcheck.sources.dcp import Verdicts
     from fsdpcheck.sources.remote import RemotePath
 
+__all__ = ["SHARDED_DIR", "SHARD_NAME", "HFStorage", "read_shards", "shard_files"]
+
 SHARDED_DIR = "sharded"
-SHARD_NAME = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
-
-
-def shard_files(path: Path) -> list[Path]:
-    """The per-rank shard files `path` names: the file itself, or those directly in a folder.
-
-    Raises:
-        ValueError: The folder cannot be listed.
-    """
-    if not path.is_dir():
-        return [path] if SHARD_NAME.fullmatch(path.name) else []
-    try:
-        return sorted(path / n for n in os.listdir(path) if SHARD_NAME.fullmatch(n))
-    except OSError as exc:
-        raise ValueError(f"cannot list {path}: {exc.strerror or exc}") from None
 
 
 def read_shards(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """The reader of this layout's parts: a shard file, or a folder of them, read as one."""
     del trust
-    from fsdpcheck.sources.hf_storage import HFStorageSource  # NOTE: [readers import lazily]
-
     return HFStorageSource(path)  # type: ignore[arg-type]  # a local path
 
 

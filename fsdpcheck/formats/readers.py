@@ -3,12 +3,15 @@
 A layout knows what each of its parts is when it recognises it (a DCP folder, a safetensors
 file, torch.save shards behind an index), so it names the reader there (``Part.reader``) and
 opening a part is ``part.reader(part.path)``. A storage kind that only one layout writes keeps
-its reader in that layout's module (``formats.hf_storage``, ``formats.ds_universal``).
+its reader in that layout's module (``formats.hf_storage``, ``formats.ds_universal``), which
+also takes the kind's file-name rules from its source module: the formats import the sources,
+never the other way round (``fsdpcheck.sources.open_source`` imports ``describe_path`` when
+called).
 
-NOTE: [readers import lazily] Each reader imports its ``Source`` when called, not here: the
-formats are imported by ``fsdpcheck.sources`` itself (``open_source`` asks ``describe_path``),
-and recognising a path must not pull in torch.distributed.checkpoint (about a second of
-start-up), which a safetensors compare or ``fsdpcheck inspect`` of a file never needs.
+NOTE: [readers import lazily] Each reader here imports its ``Source`` when called: recognising
+a path must not pull in torch.distributed.checkpoint (about a second of start-up), which a
+safetensors compare or ``fsdpcheck inspect`` of a file never needs, nor the readers of kinds it
+does not hold.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdpcheck.errors import CheckpointError
-from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
 from fsdpcheck.sources.remote import RemotePath
 
 if TYPE_CHECKING:
+    from fsdpcheck.formats import CheckpointInfo
     from fsdpcheck.sources.dcp import DCPSource, Verdicts
 
 __all__ = [
@@ -78,6 +78,11 @@ def open_source(reference: Any, *, trust: Verdicts | None = None) -> Source:
             f"reference must be a path, a mapping of tensors or an nn.Module, not "
             f"{type(reference).__name__}"
         )
+    # NOTE: imported here, not at the top: the layouts read their storage kinds' file names from
+    # the reader modules below this package (formats/hf_storage.py, formats/ds_universal.py),
+    # so the formats are imported after this package, not during it.
+    from fsdpcheck.formats import describe_path
+
     return open_info(describe_path(reference), trust=trust)
 
 
