@@ -161,10 +161,6 @@ class Part:
         if self.role not in ROLES:
             raise ValueError(f"part {self.path}: role {self.role!r} is not one of {ROLES}")
 
-    def open(self, trust: Verdicts | None = None) -> Source:
-        """The part opened by its reader."""
-        return self.reader(self.path, trust=trust)
-
 
 @dataclass
 class CheckpointInfo:
