@@ -6,8 +6,9 @@ chunk's offsets and sizes, and where its storage entry's bytes lie), per value i
 entry. Nothing holds an object per chunk: ~56 bytes per chunk of a 2-d tensor in all, where
 DCP's own objects take ~2.2 KB.
 
-`check` finds what ``dcp_metadata.check_storage`` finds (the same one-line messages) with
-tensor ops over every chunk at once, stat'ing each data file once; `DcpIndex.overlapping`
+`check` is the one structural checker of DCP metadata (columns read from the stream, and,
+through `check_storage`, objects already read): tensor ops over every chunk at once, stat'ing
+each data file once; `DcpIndex.overlapping`
 answers "which chunks of this key meet this box" in O(log n + hits) for chunks that form a
 grid (stacked along one dim, 2-d grids, ...), the layouts sharded saves write.
 
@@ -44,6 +45,8 @@ from fsdpcheck.sources.base import (
 from fsdpcheck.sources.dcp_metadata import (
     MAX_METADATA,
     METADATA_FILE,
+    Position,
+    StorageCheck,
     _mirror,
     chunk_finding,
     is_tensor_meta,
@@ -52,6 +55,7 @@ from fsdpcheck.sources.dcp_metadata import (
     planner_paths,
     position,
     short_data,
+    storage_by_position,
     validate_metadata,
 )
 from fsdpcheck.sources.dcp_pickle import (
@@ -808,7 +812,13 @@ def _more_than(sizes: torch.Tensor, mask: torch.Tensor, cap: torch.Tensor) -> to
 
 
 def check(index: DcpIndex) -> StorageProblems:
-    """Every structural problem ``check_storage`` finds, over columns (one stat per file)."""
+    """Every structural problem of the checkpoint that shows without reading data.
+
+    Per tensor: chunks with the wrong number of dims or outside the global shape, chunks that
+    leave gaps ("gap") or overlap, chunks without a storage entry, and chunks whose stored
+    bytes are fewer than their elements need. Per storage entry: a path outside the directory,
+    a missing or non-regular file, bytes past the end of the file. One stat per data file.
+    """
     out = StorageProblems()
     root = index.root
     n_entries = index.entry_where.shape[0]
@@ -939,7 +949,7 @@ def check(index: DcpIndex) -> StorageProblems:
                     bad.setdefault(i, entry_bad[e])
         if not bad:
             del out.bad_chunks[key]
-    # As check_storage: every entry that must not be read, once per (key, reason): storage
+    # Every entry that must not be read, once per (key, reason): storage
     # entries by file first, then chunks whose data is shorter than they declare.
     final = [(index.names[int(index.entry_names[e])], why) for e, why in entry_bad.items()]
     final += declared
@@ -949,6 +959,29 @@ def check(index: DcpIndex) -> StorageProblems:
             seen.add((key, why))
             problems.append((key, "error", why))
     return out
+
+
+def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
+    """`check` of metadata already read into objects (the mirrors or DCP's own classes).
+
+    The one structural checker: the objects are made into the same columns a streamed read
+    gives (`build_index`, no column runs) and checked by `check`, so a checkpoint handed to
+    ``dcp.load`` is judged exactly as ``audit`` and ``compare`` judge it.
+
+    Raises:
+        CheckpointError: `md` is not well-typed DCP metadata (as `validate_metadata`).
+    """
+    index = build_index(Parsed(md), Path(root))
+    found = check(index)
+    bad: dict[Position, str] = {}
+    for key, whys in found.bad_chunks.items():
+        boxes = index.chunks(key)
+        for i, why in whys.items():
+            bad[(key, tuple(boxes[i][0]))] = why
+    for key, why in found.bad_values.items():
+        bad[(key, None)] = why
+    return StorageCheck(found.findings, bad, found.overlapping, found.gaps,
+                        storage_by_position(md))  # fmt: skip
 
 
 def _check_odd(
@@ -961,7 +994,7 @@ def _check_odd(
     entry_bad: dict[int, str],
     out: StorageProblems,
 ) -> list[tuple[str, str]]:
-    """`check` for a key whose chunks have odd dims (chunk by chunk, as ``check_storage``).
+    """`check` for a key whose chunks have odd dims (chunk by chunk, as ``chunk_finding``).
 
     Returns:
         (key, reason) of its chunks whose data is shorter than they declare.
