@@ -4,7 +4,9 @@ Builds the data set (two bf16 safetensors files of 96 tensors that differ in one
 a 4-rank ``fsdpcheck.save`` of the second one: a DCP directory with a manifest), then times, each
 in a fresh process and each the median of ``--reps`` rounds (a round runs every row once):
 
-  * ``cat`` of the same files (the floor: every byte read once),
+  * ``cat`` of the same files (the floor: every byte read once), and the tools people reach for
+    on the same bytes where installed: ``cmp a b``, ``xxh128sum``, ``b3sum`` and ``sha256sum``
+    of the DCP files (Debian packages ``xxhash`` and ``b3sum``; not needed by CI),
   * the naive script users write (``load_file`` both + a ``torch.equal`` loop) and a plain
     ``dcp.load`` of the DCP directory into preallocated tensors (the DCP read floor in torch),
   * ``fsdpcheck compare a.safetensors b.safetensors``, ``fsdpcheck fingerprint b_dcp``,
@@ -303,6 +305,17 @@ def measure(
         ("startup: import torch", [PY, "-c", "import torch, safetensors"], 0, [], ""),
         ("cat a b", ["cat", a, b], nb_st, st, ""),
         ("cat b_dcp", ["sh", "-c", f"cat {d}/* > /dev/null"], nb_dcp, dc, ""),
+        # What people reach for to check or hash the same bytes (those installed).
+        *[
+            (name, ["sh", "-c", cmd], nbytes, files, kind)
+            for name, cmd, nbytes, files, kind, tool in (
+                ("cmp a b", f"cmp {a} {b} > /dev/null", nb_st, st, "c", "cmp"),
+                ("xxh128sum b_dcp", f"xxh128sum {d}/* > /dev/null", nb_dcp, dc, "d", "xxh128sum"),
+                ("b3sum b_dcp", f"b3sum {d}/* > /dev/null", nb_dcp, dc, "d", "b3sum"),
+                ("sha256sum b_dcp", f"sha256sum {d}/* > /dev/null", nb_dcp, dc, "d", "sha256sum"),
+            )
+            if shutil.which(tool)
+        ],
         ("naive: load_file+equal", [PY, "-c", NAIVE, a, b], nb_st, st, ""),
         ("naive: dcp.load", [PY, "-c", NAIVE_DCP, d], nb_dcp, dc, ""),
         ("kernel: compare in memory", [PY, "-c", pre + KERNEL_COMPARE, a, b], nb_st, [], "c"),
@@ -372,9 +385,21 @@ def measure(
     return results
 
 
+def processor() -> str:
+    """The CPU, as lscpu names it, and its core count."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{os.uname().machine}, {os.cpu_count()} cores"
+
+
 def table(results: list[dict[str, Any]]) -> str:
     by = {(r["mode"], r["name"]): r for r in results}
-    lines = []
+    lines = [f"# {processor()}"]
     for mode in sorted({r["mode"] for r in results}, reverse=True):
         start = by[("warm", "startup: fsdpcheck info")]["wall"]
         start_torch = by[("warm", "startup: import torch")]["wall"]

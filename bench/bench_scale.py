@@ -281,7 +281,7 @@ def print_laws(rows: list[dict[str, Any]], at: tuple[int, int]) -> dict[str, Any
 # -------------------------------------------------------------------------------------------
 # Part 2: a larger world simulated in one process, through the same code.
 class _SimComm:
-    """Stands in for ``collectives.Comm``: the collectives of W identical ranks, bytes counted.
+    """Stands in for ``dist.comm.Comm``: the collectives of W identical ranks, bytes counted.
 
     This is rank W-1 (never a broadcast's source): an all-reduce receives its tensor (SUM: W
     times it, MIN/MAX: it), an all-gather of words W copies, a broadcast the pickle of the
@@ -296,6 +296,11 @@ class _SimComm:
         self.device = torch.device("cpu")
         self.bytes = 0
         self.calls = 0
+        self.timeout = 1800.0
+        self.entry = self.step = ""
+
+    def set_group_timeout(self, seconds: float) -> None:
+        return None
 
     def all_reduce(self, t: torch.Tensor, op: Any, step: str = "") -> torch.Tensor:
         self.calls += 1
@@ -316,6 +321,7 @@ class _SimComm:
 def _combining(world: int, keys: int) -> Callable[[], _SimComm]:
     """What every checking entry point does with its per-key rows once the local work is done."""
     from fsdpcheck.collectives import combine, gather_findings
+    from fsdpcheck.dist.runner import Call
     from fsdpcheck.keyset import agree_keys
     from fsdpcheck.layout import Meta
     from fsdpcheck.live import LiveState
@@ -335,7 +341,9 @@ def _combining(world: int, keys: int) -> Callable[[], _SimComm]:
 
     def run() -> _SimComm:
         comm: Any = _SimComm(world)
-        agree_keys(comm, live)
+        call = Call("bench", None, None)
+        call.comm = comm
+        agree_keys(call, live)
         combine(comm, stats)
         gather_findings(comm, [])
         return comm
@@ -353,7 +361,7 @@ def _end_to_end(world: int, keys: int) -> Callable[[], _SimComm]:
 
     def run() -> _SimComm:
         comm: Any = _SimComm(world)
-        with mock.patch("fsdpcheck.collectives.Comm", lambda group=None: comm):
+        with mock.patch("fsdpcheck.dist.runner.Comm", lambda group=None, timeout=None: comm):
             fingerprint_report(state)
         return comm
 

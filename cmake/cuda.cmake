@@ -24,10 +24,11 @@ if(NOT _fsdpcheck_no_cuda)
   elseif(DEFINED ENV{CUDA_HOME})
     set(_nvcc "$ENV{CUDA_HOME}/bin/nvcc")
   else()
-    find_program(_nvcc nvcc)
+    # PATH first, then the usual install place (a bare GPU machine has nvcc there, off PATH).
+    find_program(_nvcc nvcc HINTS /usr/local/cuda/bin)
   endif()
   if(NOT _nvcc OR NOT EXISTS "${_nvcc}")
-    set(_fsdpcheck_no_cuda "nvcc was not found (set CUDA_HOME or CUDACXX, or put nvcc on PATH)")
+    set(_fsdpcheck_no_cuda "nvcc was not found (set CUDA_HOME or CUDACXX, or put nvcc on PATH or in /usr/local/cuda/bin)")
   else()
     execute_process(COMMAND "${_nvcc}" --dryrun -c -x cu /dev/null -o /dev/null
                     ERROR_VARIABLE _nvcc_out OUTPUT_VARIABLE _nvcc_out2 RESULT_VARIABLE _nvcc_rc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdpcheck.errors import describe_error
 from fsdpcheck.fingerprints import fingerprint_checkpoint, fingerprints_differ
@@ -20,10 +20,15 @@ from fsdpcheck.sources.base import Entry
 from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
+if TYPE_CHECKING:
+    from fsdpcheck.offline_dist import Session
+
 __all__ = ["Box", "audit", "tiling_problems"]
 
 
-def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
+def audit(
+    path: str | os.PathLike[str], *, deep: bool = False, session: Session | None = None
+) -> Report:
     """Checks a checkpoint's structure without loading it into a model.
 
     For a DCP directory: every tensor's chunks lie inside its global shape and tile it exactly
@@ -44,6 +49,8 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
             safetensors.
         deep: Also recompute every tensor's fingerprint from the data and compare it with the
             manifest (reads the whole checkpoint once, streaming).
+        session: The processes of a torchrun launch to spread --deep's reading over
+            (``offline_dist.session``); None: this process alone.
 
     Returns:
         A Report; ``ok`` when nothing is wrong.
@@ -66,7 +73,7 @@ def audit(path: str | os.PathLike[str], *, deep: bool = False) -> Report:
             if is_dcp_dir(part):
                 n, keys = _audit_dcp(
                     part, findings, notes, deep, prefix, grammar_of(info.layout), info.roles[index],
-                    values,
+                    values, session,
                 )  # fmt: skip
             else:
                 n, keys = _audit_file(info, index, findings, prefix)
@@ -115,6 +122,7 @@ def _audit_dcp(
     grammar: KeyGrammar,
     role: str,
     values: list[int],
+    session: Session | None = None,
 ) -> tuple[int, CheckpointKeys]:
     # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata), and
     # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_pickle), whose check
@@ -132,7 +140,7 @@ def _audit_dcp(
         keys = keys_from_entries(entries, grammar=grammar, role=role)
         fingerprinted = 0
         try:
-            fingerprinted = _audit_manifest(p, source, findings, notes, deep, prefix)
+            fingerprinted = _audit_manifest(p, source, findings, notes, deep, prefix, session)
         except Exception as exc:  # a malformed manifest is a finding about the manifest
             findings.append(
                 Finding(prefix + "fsdpcheck_manifest.json", "error", describe_error(exc))
@@ -210,6 +218,7 @@ def _audit_manifest(
     notes: list[str],
     deep: bool,
     prefix: str,
+    session: Session | None = None,
 ) -> int:
     """Checks the manifest against the metadata (and, `deep`, the data).
 
@@ -272,7 +281,7 @@ def _audit_manifest(
                 "entries have no fingerprint: --deep did not check their values"
             )
         # The open source (metadata read and checked once) hashes the data.
-        actual = fingerprint_checkpoint(source)
+        actual = fingerprint_checkpoint(source, session=session)
         findings.extend(
             fingerprints_differ(expected, {k: actual[k] for k in actual if k in expected})
         )

@@ -12,7 +12,10 @@ Examples:
 
 Across processes: torchrun --nproc-per-node 8 -m fsdpcheck compare|fingerprint|audit ... splits
 the reading over the processes (on every node of --nnodes); rank 0 prints the report, every
-process exits with the same code.
+process exits with the same code. A process joins a launch only when a launcher (torchrun,
+torch.distributed.launch, accelerate launch, deepspeed) started it, or with --dist; one started
+by a training job's own code (which inherits RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) runs
+alone and says so on stderr.
 
 Exit codes (the verdict, and nothing else): 0 the check completed and passed; 1 a mismatch or
 finding; 2 bad usage or unreadable input; 130 / 143 interrupted by SIGINT / SIGTERM. Errors are
@@ -244,13 +247,15 @@ def _wants_json(argv: list[str]) -> bool:
     return "--json" in words
 
 
-def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False, session: Any = None) -> int:
     """Runs one fsdpcheck command.
 
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
         own_process: The process exists for this command (`run`): its garbage collector may be
             tuned for it.
+        session: The caller's own ``offline_dist.Session`` (tests, embedding): the commands
+            spread over it instead of joining a launch.
 
     Returns:
         The exit code: 0 all good, 1 a mismatch or finding, 2 bad usage or unreadable input (or
@@ -265,7 +270,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # type: ignore[type-var]
         try:
-            code = _main(argv, own_process)
+            code = _main(argv, own_process, session)
         except KeyboardInterrupt as exc:
             code = _failed(command, exc, EXIT_SIGTERM if isinstance(exc, Terminated) else
                            EXIT_SIGINT)  # fmt: skip
@@ -321,7 +326,7 @@ def _failed(command: str | None, exc: BaseException, code: int) -> int:
     return code
 
 
-def _main(argv: list[str], own_process: bool) -> int:
+def _main(argv: list[str], own_process: bool, session: Any = None) -> int:
     parser = _build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -348,10 +353,11 @@ def _main(argv: list[str], own_process: bool) -> int:
 
         gc.freeze()
     rank = 0
+    args.session = session
     try:
         # Under torchrun every process runs the command and rank 0 speaks for them all.
         with (
-            _launch(args.command) as rank,
+            _launch(args) as rank,
             contextlib.redirect_stdout(None) if rank else contextlib.nullcontext(),
         ):
             _state.quiet = rank != 0
@@ -370,17 +376,45 @@ def _main(argv: list[str], own_process: bool) -> int:
 
 
 @contextlib.contextmanager
-def _launch(command: str) -> Iterator[int]:
-    """This process's rank: under torchrun, in a session of the launch (`SPREAD` commands)."""
+def _launch(args: argparse.Namespace) -> Iterator[int]:
+    """This process's rank: in a session of the launch when a launcher started it (`SPREAD`).
+
+    NOTE: [who joins a launch] A command run by a training job's own code (a callback, a script
+    that shells out) inherits RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the rank that
+    ran it; joining on them would wait for a rendezvous that never comes, or join the job's own
+    store. So a process joins only when a launcher started it (``offline_dist.started_by_launcher``:
+    its parent, through shells, is torchrun's agent) or when asked (--dist); otherwise it runs
+    alone, with a note on stderr. Joining has a deadline, and its failure is one line naming the
+    variables.
+    """
     from fsdpcheck import offline_dist
 
-    current = offline_dist.current()
-    if current is not None:  # a caller's own session (tests, embedding)
-        yield current.rank
-    elif not offline_dist.launched():
+    command = args.command
+    if args.session is not None:  # a caller's own session (tests, embedding)
+        yield args.session.rank
+        return
+    asked = getattr(args, "dist", False)
+    if not offline_dist.launched():
+        if asked:
+            missing = [k for k in offline_dist.LAUNCH_ENV if not os.environ.get(k)]
+            raise ValueError(
+                f"--dist: {', '.join(missing) or 'WORLD_SIZE > 1'} not set; start the command "
+                "with a launcher (torchrun --nproc-per-node N -m fsdpcheck ...)"
+            )
+        yield 0
+    elif not asked and not offline_dist.started_by_launcher():
+        if command in SPREAD:
+            said = ", ".join(f"{k}={os.environ.get(k)}" for k in offline_dist.LAUNCH_ENV)
+            print(
+                f"fsdpcheck {command}: note: launcher variables are set ({said}) but no launcher "
+                "started this process (they were inherited): running as one process; pass "
+                "--dist to join the launch",
+                file=sys.stderr,
+            )
         yield 0
     elif command in SPREAD:
-        with offline_dist.session() as s:
+        with offline_dist.session(timeout=getattr(args, "timeout", None)) as s:
+            args.session = s
             yield s.rank
     else:  # the others run whole in every process; rank 0 prints
         yield int(os.environ["RANK"])
@@ -388,24 +422,20 @@ def _launch(command: str) -> Iterator[int]:
 
 def _lost_rank(exc: BaseException) -> bool:
     """Whether `exc` says a process of the launch stopped (rank 0 may be the one)."""
-    collectives = sys.modules.get("fsdpcheck.collectives")
-    return collectives is not None and isinstance(exc, collectives.RankStoppedError)
+    from fsdpcheck.errors import RankStoppedError
+
+    return isinstance(exc, RankStoppedError)
 
 
-def _agreed(fn: Callable[[], T]) -> T:
+def _agreed(args: argparse.Namespace, fn: Callable[[], T]) -> T:
     """`fn` (a command's work), agreed on by every process of the launch when there is one."""
-    from fsdpcheck import offline_dist
-
-    session = offline_dist.current()
+    session = args.session
     return fn() if session is None else session.agreed(fn, _one_line)
 
 
-def _speaker() -> bool:
+def _speaker(args: argparse.Namespace) -> bool:
     """Whether this process prints (the only one, or rank 0 of a launch)."""
-    from fsdpcheck import offline_dist
-
-    session = offline_dist.current()
-    return session is None or session.rank == 0
+    return args.session is None or args.session.rank == 0
 
 
 def _one_line(exc: BaseException) -> str:
@@ -477,6 +507,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--device", type=_device, default=None, help="cpu or cuda (default: cuda when present)"
     )
     p.add_argument("--memory-budget", type=_size, default=1 << 30, help="bytes, e.g. 2G, 512M")
+    _launch_options(p)
     p.set_defaults(run=_compare)
 
     p = sub.add_parser("fingerprint", parents=[common], help="Fingerprint v1 of every tensor")
@@ -484,11 +515,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore", action="append", default=[], metavar="PATTERN")
     p.add_argument("--memory-budget", type=_size, default=1 << 30)
     _convert_option(p, "the checkpoint's model tensors (fingerprints of the converted layout)")
+    _launch_options(p)
     p.set_defaults(run=_fingerprint)
 
     p = sub.add_parser("audit", parents=[common], help="check a checkpoint's structure")
     p.add_argument("path")
     p.add_argument("--deep", action="store_true", help="also recompute every fingerprint")
+    _launch_options(p)
     p.set_defaults(run=_audit)
 
     p = sub.add_parser("info", parents=[common], help="which backends were compiled")
@@ -501,6 +534,34 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
         if isinstance(action, argparse._SubParsersAction):
             return action.choices[command]  # type: ignore[no-any-return]
     return parser
+
+
+def _launch_options(p: argparse.ArgumentParser) -> None:
+    """Joining a launch (NOTE: [who joins a launch])."""
+    p.add_argument(
+        "--dist",
+        action="store_true",
+        help="join the launch named by RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT even if no "
+        "launcher started this process (by default only a launcher's own processes join)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="under a launch: how long a process waits for the others, to join (at most 600 s) "
+        "and in each collective, before it names the ones that did not answer (default 6 h)",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds > 0: {text!r}")
+    return value
 
 
 def _convert_option(p: argparse.ArgumentParser, what: str) -> None:
@@ -589,16 +650,23 @@ def _info(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     from fsdpcheck.auditing import audit
 
-    return _emit_report(args, _agreed(lambda: audit(args.path, deep=args.deep)))
+    return _emit_report(
+        args, _agreed(args, lambda: audit(args.path, deep=args.deep, session=args.session))
+    )
 
 
 def _fingerprint(args: argparse.Namespace) -> int:
     from fsdpcheck.fingerprints import checkpoint_fingerprints
 
     fps, notes = _agreed(
+        args,
         lambda: checkpoint_fingerprints(
-            args.path, ignore=args.ignore, memory_budget=args.memory_budget, convert=args.convert
-        )
+            args.path,
+            ignore=args.ignore,
+            memory_budget=args.memory_budget,
+            convert=args.convert,
+            session=args.session,
+        ),
     )
     if args.json:
         _document({k: f"{v:#018x}" for k, v in fps.items()})
@@ -606,7 +674,7 @@ def _fingerprint(args: argparse.Namespace) -> int:
         names = [shown(k) for k in fps]
         width = max((len(n) for n in names), default=0)
         _say([f"{n:{width}s}  {v:#018x}" for n, v in zip(names, fps.values())])
-    if _speaker():
+    if _speaker(args):
         _say([f"note: {n}" for n in notes], file=sys.stderr)
     return EXIT_OK
 
@@ -614,10 +682,11 @@ def _fingerprint(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from fsdpcheck.comparison import compare_checkpoints
 
-    bar = sys.stderr.isatty() and not args.json and _speaker()
+    bar = sys.stderr.isatty() and not args.json and _speaker(args)
     from fsdpcheck.matching import prefix_rules
 
     report = _agreed(
+        args,
         lambda: compare_checkpoints(
             args.actual,
             args.expected,
@@ -630,7 +699,8 @@ def _compare(args: argparse.Namespace) -> int:
             memory_budget=args.memory_budget,
             progress=_progress_bar() if bar else None,
             convert=args.convert,
-        )
+            session=args.session,
+        ),
     )
     if bar:
         print(file=sys.stderr)

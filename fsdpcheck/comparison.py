@@ -44,7 +44,7 @@ from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import CheckSettings, tolerance
 
 if TYPE_CHECKING:
-    from fsdpcheck.collectives import Comm
+    from fsdpcheck.dist.comm import Comm
     from fsdpcheck.stats import Combined
 
 Progress = Callable[[int, int], None]
@@ -64,6 +64,7 @@ def compare_checkpoints(
     memory_budget: int = 1 << 30,
     progress: Progress | None = None,
     convert: Any = None,
+    session: offline_dist.Session | None = None,
 ) -> Report:
     """Compares every tensor of `actual` with the same tensor of `expected`.
 
@@ -91,6 +92,8 @@ def compare_checkpoints(
             its JSON file, ``"module:attr"``, a Conversion). Each tensor of `expected` is then
             compared, piece by piece, with what the conversion makes of `actual`'s tensors,
             without running it on any data; findings are in `expected`'s names and indices.
+        session: The processes of a torchrun launch to spread the reading over
+            (``offline_dist.session``; the command line makes one); None: this process alone.
 
     Returns:
         A Report: "missing" (in `expected` only), "unexpected" (in `actual` only), "shape",
@@ -98,7 +101,7 @@ def compare_checkpoints(
     """
     with _collector.paused():  # NOTE: [collector]
         settings = CheckSettings(rtol, atol, equal_nan, check_dtype, key_map, ignore, memory_budget)
-        return _compare_checkpoints(actual, expected, settings, device, progress, convert)
+        return _compare_checkpoints(actual, expected, settings, device, progress, convert, session)
 
 
 def _compare_checkpoints(
@@ -108,9 +111,9 @@ def _compare_checkpoints(
     device: str | torch.device | None,
     progress: Progress | None,
     convert: Any = None,
+    session: offline_dist.Session | None = None,
 ) -> Report:
     t0 = time.perf_counter()
-    session = offline_dist.current()
     request = _request(session, actual, expected, settings, device)
     if session is not None:
         dev = session.device(device)

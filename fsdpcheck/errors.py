@@ -6,8 +6,8 @@ The rule: exceptions at the API boundary, problems from readers, findings in rep
   the wrong kind, a manifest that is not valid). Every one of fsdpcheck's own derives from
   ``FsdpcheckError`` and from the standard type callers already catch (``ValueError``,
   ``RuntimeError``, ``AssertionError``), and its message is one line naming the key, the file,
-  the rank and the fix. ``collectives.agree`` raises on every rank the type one rank raised,
-  looked up in ``REGISTRY`` here.
+  the rank and the fix. ``dist.runner`` raises on every rank the type one rank raised, looked
+  up in ``REGISTRY`` here.
 - A reader that finds something wrong with storage it can still partly read records a
   ``Problem`` (``sources.base``); verify and compare turn problems into findings.
 - A ``Finding`` (``report``) is a verdict about one key.
@@ -96,8 +96,27 @@ class RankStoppedError(FsdpcheckError, RuntimeError):
     """A rank stopped answering in the middle of a collective (it died, or hangs elsewhere).
 
     Raised on every rank that still answers, with the same message: the rank(s) that did not,
-    the step, and the transport's reason ("connection reset by peer", ...).
+    the step, and the reason ("connection reset by peer", "no answer within 30 min", ...).
     """
+
+
+class RanksDisagreeError(FsdpcheckError, ValueError):
+    """The ranks called fsdpcheck with arguments (or found inputs) that must agree but differ.
+
+    Raised on every rank before anything was done, naming the argument and the ranks.
+    """
+
+
+class ConcurrentCallError(FsdpcheckError, RuntimeError):
+    """A second thread called fsdpcheck on a process group a call was already using.
+
+    The second call is refused at once; the call in progress fails on every rank (the two
+    calls' collectives could otherwise have been paired across ranks).
+    """
+
+
+class OfflineError(FsdpcheckError, ValueError):
+    """An error of some processes of a torchrun launch, worded the same on every process."""
 
 
 class VerificationError(FsdpcheckError, AssertionError):
@@ -107,7 +126,7 @@ class VerificationError(FsdpcheckError, AssertionError):
         Exception.__init__(self, message)  # the report is rendered already (lines kept)
 
 
-#: Exception types ``agree`` raises as themselves on every rank, by name (others become
+#: Exception types ``dist.runner`` raises as themselves on every rank, by name (others become
 #: RuntimeError): fsdpcheck's own and the standard ones a message already explains.
 REGISTRY: dict[str, type[Exception]] = {
     t.__name__: t
@@ -127,6 +146,9 @@ REGISTRY: dict[str, type[Exception]] = {
         FingerprintError,
         CheckpointKindError,
         UnsafePickleError,
+        RanksDisagreeError,
+        ConcurrentCallError,
+        OfflineError,
     )
 }
 
@@ -214,11 +236,14 @@ __all__ = [
     "REGISTRY",
     "CheckpointError",
     "CheckpointKindError",
+    "ConcurrentCallError",
     "CoverageError",
     "FingerprintError",
     "FsdpcheckError",
     "ManifestError",
+    "OfflineError",
     "RankStoppedError",
+    "RanksDisagreeError",
     "UnsafePickleError",
     "VerificationError",
     "describe_error",

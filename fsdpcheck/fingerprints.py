@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdpcheck import _collector, matching, offline_dist, ops
-from fsdpcheck.errors import FingerprintError, describe_error
+from fsdpcheck.errors import FingerprintError
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.report import Finding, Report, normalized
+from fsdpcheck.report import Finding, Report, normalized, uncovered
 from fsdpcheck.sources import Source, open_source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.remote import RemotePath, location
@@ -30,6 +30,7 @@ from fsdpcheck.tolerances import checked_budget, checked_patterns
 
 if TYPE_CHECKING:
     from fsdpcheck.convert import Conversion
+    from fsdpcheck.dist.runner import Failure
     from fsdpcheck.layout import Layout, Meta
 
 # The live side (collectives, layouts, the model walk, torch.distributed) is imported where it
@@ -51,6 +52,8 @@ class FingerprintResult:
             ``optimizer.state_dict()`` a checkpoint holds), empty without one.
         metas: Global shape and dtype of every key of the job (pipeline stages: also the keys
             other ranks hold), for callers that describe the keys (the save manifest).
+        failure: The failure that ended the pass on every rank (``dist.runner``; its one
+            finding is in `findings`), or None.
     """
 
     fingerprints: dict[str, int] = field(default_factory=dict)
@@ -59,6 +62,7 @@ class FingerprintResult:
     tied: dict[str, str] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     metas: dict[str, Meta] = field(default_factory=dict)
+    failure: Failure | None = None
 
 
 def fingerprint(
@@ -67,6 +71,7 @@ def fingerprint(
     optimizer: Any = None,
     group: Any = None,
     convert: Any = None,
+    timeout: float | None = None,
 ) -> dict[str, int]:
     """Fingerprint v1 of every model (and optimizer) entry, identical on every rank.
 
@@ -86,16 +91,25 @@ def fingerprint(
             tensors its shards hold at their converted global indices; no data moves), equal to
             ``fingerprint_checkpoint`` of a converted file. None: the model's own declared
             conversion, if any.
+        timeout: Seconds a rank waits in one collective for the others before it names the
+            ranks that did not answer (default: the process group's timeout).
+
+    Whether an optimizer is given and `convert` must be the same on every rank (compared in
+    the first collective).
 
     Returns:
         Key -> fingerprint, sorted; optimizer entries are keyed ``optim.state.<fqn>.<name>``.
 
     Raises:
-        FingerprintError: On every rank, when a value cannot be fingerprinted.
+        FingerprintError: On every rank, when a value cannot be fingerprinted, or any rank
+            failed (the message names it).
+        RankStoppedError: A rank stopped answering, on every rank that still answers.
     """
     result = fingerprint_report(
-        model_or_state_dict, optimizer=optimizer, group=group, convert=convert
+        model_or_state_dict, optimizer=optimizer, group=group, convert=convert, timeout=timeout
     )
+    if result.failure is not None:  # agreed on by every rank: its one line
+        raise FingerprintError(result.failure.text)
     bad = [f for f in result.findings if f.kind in ("layout", "error", "missing", "gap")]
     if bad:
         raise FingerprintError("; ".join(f"{f.key}: {f.message}" for f in bad))
@@ -107,21 +121,22 @@ def check_replicas(
     *,
     optimizer: Any = None,
     group: Any = None,
+    timeout: float | None = None,
 ) -> Report:
     """Whether every replicated copy (HSDP, TP Replicate, DDP, the optimizer step) agrees.
 
     Collective. Returns a Report whose "replica" findings name the ranks that disagree.
     """
-    from fsdpcheck.collectives import Comm
+    from fsdpcheck.dist.runner import call
 
-    result = fingerprint_report(model_or_state_dict, optimizer=optimizer, group=group)
-    comm = Comm(group)
-    return Report(
-        findings=result.findings,
-        reference="the other replicas",
-        world_size=comm.world,
-        keys_checked=len(result.fingerprints),
-    )
+    with call("check_replicas", group, timeout) as c:
+        result = fingerprint_report(model_or_state_dict, optimizer=optimizer, group=group)
+        return Report(
+            findings=result.findings,
+            reference="the other replicas",
+            world_size=c.comm.world,
+            keys_checked=len(result.fingerprints),
+        )
 
 
 def fingerprint_report(
@@ -130,61 +145,72 @@ def fingerprint_report(
     optimizer: Any = None,
     group: Any = None,
     convert: Any = None,
+    timeout: float | None = None,
 ) -> FingerprintResult:
     """Fingerprints and replica findings in one pass (see ``fingerprint``).
 
     Collective, with O(keys) bytes per rank at any world size (NOTE: [bytes per rank] in
     ``collectives``): the ranks agree on the job's keys (pipeline stages may hold different
-    ones), each rank fingerprints the boxes it holds in one fused pass, and one row per key is
-    all-reduced: the fingerprint is the sum of the counted copies (each box once), the replica
-    check compares every copy with them.
+    ones) and on the arguments, each rank fingerprints the boxes it holds in one fused pass,
+    the local findings travel with a digest of the keys each rank will combine (the result of a
+    conversion), and one row per key is all-reduced: the fingerprint is the sum of the counted
+    copies (each box once), the replica check compares every copy with them, and the counted
+    copies must cover each key exactly. A failure on any rank is the result's one "error"
+    finding on every rank (``dist.runner``).
     """
-    with _collector.paused():  # NOTE: [collector]: objects per key
-        return _fingerprint_report(model_or_state_dict, optimizer, group, convert)
+    from fsdpcheck.dist.runner import RankFailure, call
+
+    with _collector.paused(), call("fingerprint", group, timeout) as c:  # NOTE: [collector]
+        try:
+            return _fingerprint_report(c, model_or_state_dict, optimizer, convert)
+        except RankFailure as f:
+            if f.failure.usage:  # arguments: raised, as any call raises a usage error
+                raise f.failure.error() from None
+            return FingerprintResult(findings=[f.failure.finding()], failure=f.failure)
 
 
 def _fingerprint_report(
+    c: Any,
     model_or_state_dict: torch.nn.Module | Sequence[torch.nn.Module] | Mapping[str, Any],
     optimizer: Any,
-    group: Any,
     convert: Any = None,
 ) -> FingerprintResult:
-    from fsdpcheck.collectives import Comm, combine, gather_findings
     from fsdpcheck.keyset import agree_keys
     from fsdpcheck.layout import local_layout
     from fsdpcheck.live import live_state
     from fsdpcheck.stats import KeyStats
 
-    comm = Comm(group)
-    local: list[Finding] = []
-    live = None
-    error = None
-    try:
-        if convert is None:
-            from fsdpcheck.convert.declared import declared_conversion
+    comm = c.comm
 
-            convert = declared_conversion(model_or_state_dict)
-        live = live_state(model_or_state_dict, optimizer)
-    except Exception as exc:  # never leave the other ranks waiting in the agreement below
-        error = describe_error(exc)
-    ks = agree_keys(comm, live, error=error)
-    result = FingerprintResult()
-    if ks.error is not None:
-        rank = ks.error_ranks[0] if ks.error_ranks else None
-        result.findings = [Finding("*", "error", ks.error, rank=rank, ranks=ks.error_ranks)]
-        return result
+    from fsdpcheck.dist.arguments import given
+    from fsdpcheck.dist.runner import ARGUMENTS
+
+    def setup() -> Any:
+        from fsdpcheck.convert.declared import stated_or_declared
+
+        c.arguments(optimizer=given(optimizer), convert=convert)
+        return stated_or_declared(model_or_state_dict, convert)
+
+    convert = c.local(ARGUMENTS, setup)
+    live = c.local("reading the live state", lambda: live_state(model_or_state_dict, optimizer))
+    ks = agree_keys(c, live)
     assert live is not None
+    result = FingerprintResult()
     if convert is not None:
-        return _converted_fingerprints(comm, ks, live, convert, result)
+        converted = _converted_fingerprints(c, ks, live, convert, result)
+        if converted is not None:
+            return converted
     result.tied = dict(ks.live.tied)
     result.order = [fqn for g in ks.live.param_groups or [] for fqn in g["params"]]
     job = ks.live.tensors(dedupe_tied=True)
     keys = sorted(job)
     result.metas = {k: job[k] for k in keys}
-    mine = live.tensors(dedupe_tied=True)
     stats = [KeyStats() for _ in keys]
-    try:
-        local += [Finding(k, kind, msg) for k, kind, msg in live.problems]
+    local: list[Finding] = []
+
+    def hash_shards() -> None:
+        local.extend(Finding(k, kind, msg) for k, kind, msg in live.problems)
+        mine = live.tensors(dedupe_tied=True)
         tensors, boxes, owners = [], [], []
         for i, key in enumerate(keys):
             value = mine.get(key)
@@ -210,70 +236,104 @@ def _fingerprint_report(
         fps = fingerprint_tensors(tensors, boxes=boxes) if tensors else []
         for i, box, fp, t in zip(owners, boxes, fps, tensors):
             stats[i].add_copy(fp, box, t.numel())
-    except Exception as exc:  # never leave the other ranks waiting in the reductions below
-        local.append(Finding("*", "error", describe_error(exc)))
-    combined, _ = combine(comm, stats)
-    findings = list(ks.findings) + gather_findings(comm, local)
-    for key, c in zip(keys, combined):
-        if c.errors or c.fingerprint is None:
+
+    # A failure here is kept for the next agreement (the findings), where it ends the call.
+    c.local("fingerprinting the shards", hash_shards)
+    numels = [math.prod(job[k].shape) for k in keys]
+    return _combined(c, ks, keys, numels, stats, local, "", result)
+
+
+def _combined(
+    c: Any,
+    ks: Any,
+    keys: list[str],
+    numels: list[int],
+    stats: list[Any],
+    local: list[Finding],
+    conv: str,
+    result: FingerprintResult,
+) -> FingerprintResult:
+    """The findings gathered (with what each rank combines), the rows combined, the verdicts.
+
+    The local findings travel first, with a digest of the keys this rank combines (and of the
+    conversion that made them): ranks that would combine rows of different keys end there,
+    before the rows (whose size is the number of keys) travel.
+    """
+    from fsdpcheck.collectives import Group as _Group
+    from fsdpcheck.collectives import capped_findings, combine, digest, findings_of
+
+    plan = digest((conv, keys))
+    groups, past = c.gather(
+        "gathering the findings",
+        capped_findings(local),
+        same=plan,
+        same_what="the keys they fingerprint (the result of convert=)",
+    )
+    found = findings_of([_Group(g.ranks, g.payload) for g in groups], past)
+    combined, _ = combine(c.comm, stats, numels=numels)
+    findings = list(ks.findings) + found
+    for key, n, cb in zip(keys, numels, combined):
+        if cb.errors or cb.fingerprint is None:
             continue
-        numel = math.prod(job[key].shape)
-        if c.replicas_disagree:
-            findings.append(Finding.replica(key, c.replica_groups))
-        if c.covered != numel:
-            findings.append(
-                Finding(
-                    key,
-                    "layout",
-                    f"the ranks' boxes cover {c.covered} of {numel} elements (overlapping or "
-                    "missing shards); its fingerprint would be wrong",
-                )
-            )
+        if cb.replicas_disagree:
+            findings.append(Finding.replica(key, cb.replica_groups))
+        if cb.covered != n:
+            findings.append(uncovered(key, cb.covered, cb.held_by, n, "parts"))
             continue
-        result.fingerprints[key] = c.fingerprint
+        result.fingerprints[key] = cb.fingerprint
     result.findings = normalized(findings)
     return result
 
 
 def _converted_fingerprints(
-    comm: Any, ks: Any, live: Any, convert: Any, result: FingerprintResult
-) -> FingerprintResult:
+    c: Any, ks: Any, live: Any, convert: Any, result: FingerprintResult
+) -> FingerprintResult | None:
     """``fingerprint`` through a conversion: the parts of the targets each rank holds, hashed.
 
     Every rank compiles the conversion from the job's names and global shapes (the same
-    everywhere, or the same error everywhere), hashes the parts of each target its shards hold
-    at the target's global indices, and the sums are combined as for any key: a target's
-    fingerprint is that of the converted tensor.
+    everywhere, or a failure agreed on at the next agreement), hashes the parts of each target
+    its shards hold at the target's global indices, and the sums are combined as for any key: a
+    target's fingerprint is that of the converted tensor. None: the model's declared layout is
+    the live one (nothing to convert).
     """
-    from fsdpcheck.collectives import combine, gather_findings
     from fsdpcheck.layout import Meta
     from fsdpcheck.reading.live import (
         buffer_names,
         compile_for_live,
         local_parts,
         source_layouts,
+        tied_targets,
     )
     from fsdpcheck.reading.plan import cast_as, kernel_box
     from fsdpcheck.stats import KeyStats
 
-    try:
-        conv = compile_for_live(convert, ks.live, buffers=buffer_names(live))
-    except Exception as exc:  # compiled from agreed names: every rank fails alike
-        result.findings = [Finding("*", "error", describe_error(exc))]
-        return result
-    local: list[Finding] = [Finding(k, kind, msg) for k, kind, msg in live.problems]
-    broken = conv.target_problems()
-    for name, why in broken.items():
-        local.append(Finding(name, "gap", why))
-    values = live.tensors()
+    comm = c.comm
+    conv = c.local(
+        "compiling the conversion",
+        lambda: compile_for_live(convert, ks.live, buffers=buffer_names(live)),
+    )
+    if c.failed:  # failed here: the agreement below ends the call on every rank
+        c.check("compiling the conversion")
+    if conv is None:  # compiled from agreed names: None on every rank alike
+        return None
+    local: list[Finding] = []
+    broken = conv.target_problems()  # compiled from the job's names: the same on every rank
     state = {k: v for k, v in ks.live.tensors().items() if k.startswith("optim.state.")}
-    keys = sorted(set(conv.targets) | set(state))
+    # A tied duplicate is listed once, under its first name (as without a conversion).
+    tied = tied_targets(conv, ks.live.tied)
+    keys = sorted((set(conv.targets) - set(tied)) | set(state))
     result.metas = {k: state[k] for k in state}
-    result.metas.update({k: Meta(t.shape, t.dtype) for k, t in conv.targets.items()})
+    result.metas.update(
+        {k: Meta(t.shape, t.dtype) for k, t in conv.targets.items() if k not in tied}
+    )
     stats = [KeyStats() for _ in keys]
     shapes = {k: v[0] for k, v in conv.sources.items()}
     cache: dict[str, Any] = {}
-    try:
+
+    def hash_targets() -> None:
+        local.extend(Finding(k, kind, msg) for k, kind, msg in live.problems)
+        local.extend(Finding(name, "gap", why) for name, why in broken.items())
+        values = live.tensors()
         tensors: list[torch.Tensor] = []
         boxes: list[Any] = []
         owners: list[int] = []
@@ -331,30 +391,13 @@ def _converted_fingerprints(
             got = fingerprint_tensors(views, boxes=[kernel_box(q) for _, _, q in batch])
             for (i, _, q), fp in zip(batch, got):
                 stats[i].add_copy(fp, kernel_box(q), q.numel)
-    except Exception as exc:  # never leave the other ranks waiting in the reductions below
-        local.append(Finding("*", "error", describe_error(exc)))
-    combined, _ = combine(comm, stats)
-    findings = list(ks.findings) + gather_findings(comm, local)
-    for key, c in zip(keys, combined):
-        if c.errors or c.fingerprint is None:
-            continue
-        t = conv.targets.get(key)
-        numel = math.prod(t.shape if t is not None else state[key].shape)
-        if c.replicas_disagree:
-            findings.append(Finding.replica(key, c.replica_groups))
-        if c.covered != numel:
-            findings.append(
-                Finding(
-                    key,
-                    "layout",
-                    f"the ranks' parts cover {c.covered} of {numel} elements (overlapping or "
-                    "missing shards); its fingerprint would be wrong",
-                )
-            )
-            continue
-        result.fingerprints[key] = c.fingerprint
-    result.findings = normalized(findings)
-    return result
+
+    # A failure here is kept for the next agreement (the findings), where it ends the call.
+    c.local("fingerprinting the converted shards", hash_targets)
+    numels = [
+        math.prod(conv.targets[k].shape if k in conv.targets else state[k].shape) for k in keys
+    ]
+    return _combined(c, ks, keys, numels, stats, local, conv.digest(), result)
 
 
 #: Elements of copies a cast part of a live fingerprint makes at once, at most.
@@ -389,6 +432,7 @@ def fingerprint_checkpoint(
     ignore: Sequence[str] | None = None,
     memory_budget: int = 1 << 30,
     convert: Any = None,
+    session: offline_dist.Session | None = None,
 ) -> dict[str, int]:
     """The fingerprints of a checkpoint's model and optimizer tensors, offline (no process group).
 
@@ -407,12 +451,14 @@ def fingerprint_checkpoint(
             fingerprints are then those of the converted layout, each piece hashed at its
             converted global indices (equal to ``fingerprint_checkpoint`` of the converted
             file); its optimizer state is hashed as it is.
+        session: The processes of a torchrun launch to spread the reading over
+            (``offline_dist.session``); None: this process alone.
 
     Returns:
         Canonical name -> fingerprint, sorted by name.
     """
     return checkpoint_fingerprints(
-        path, ignore=ignore, memory_budget=memory_budget, convert=convert
+        path, ignore=ignore, memory_budget=memory_budget, convert=convert, session=session
     )[0]
 
 
@@ -422,23 +468,30 @@ def checkpoint_fingerprints(
     ignore: Sequence[str] | None = None,
     memory_budget: int = 1 << 30,
     convert: Any = None,
+    session: offline_dist.Session | None = None,
 ) -> tuple[dict[str, int], list[str]]:
     """``fingerprint_checkpoint`` and notes naming every tensor it did not fingerprint.
 
-    Under torchrun (``offline_dist``) each process hashes its share of the chunks and the sums
-    are added up across processes: every process returns the same dict.
+    With a `session` (the processes of a torchrun launch: ``offline_dist``) each process hashes
+    its share of the chunks and the sums are added up across processes: every process returns
+    the same dict.
     """
     memory_budget = checked_budget(memory_budget)
     with _collector.paused():  # NOTE: [collector]
-        return _checkpoint_fingerprints(path, checked_patterns(ignore), memory_budget, convert)
+        return _checkpoint_fingerprints(
+            path, checked_patterns(ignore), memory_budget, convert, session
+        )
 
 
 def _checkpoint_fingerprints(
-    path: Any, ignore: Sequence[str] | None, memory_budget: int, convert: Any = None
+    path: Any,
+    ignore: Sequence[str] | None,
+    memory_budget: int,
+    convert: Any = None,
+    session: offline_dist.Session | None = None,
 ) -> tuple[dict[str, int], list[str]]:
     from fsdpcheck.sources.dcp import DCPSource
 
-    session = offline_dist.current()
     request = None
     # An open DCP source (audit's, whose metadata is read and checked already) is hashed as it
     # is here; the other processes of a launch open its path.

@@ -5,8 +5,9 @@ holds the same keys on every rank. ``agree_keys`` gives every rank the same merg
 way: when every rank's names digest the same (one all-reduce of 4 words), its own names are
 the job's; otherwise each distinct list travels once (``collectives.distinct``) and the union is
 taken, in the order of the lowest rank holding each list. Ranks that disagree about a key they
-both hold (its global shape or dtype) are named. A setup error on any rank, or ranks that see
-different checkpoints, end the agreement on every rank with the same message.
+both hold (its global shape or dtype) are named. It is the first agreement of verify and of the
+fingerprint pass (``dist.runner``): a failure on any rank, or arguments that differ, end the call
+there on every rank with the same ``RankFailure``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdpcheck.collectives import Comm, cyclic_gc_paused, distinct
+from fsdpcheck._collector import paused
+from fsdpcheck.dist.runner import Call
 from fsdpcheck.layout import Meta
 from fsdpcheck.live import LiveState
 from fsdpcheck.report import Finding
@@ -26,62 +28,37 @@ class KeySet:
 
     Attributes:
         live: The job's names (values are ``Meta``): the union over the ranks.
-        error: Why the call cannot go on (the same text on every rank), or None.
-        error_ranks: The ranks the error happened on.
-        checkpoint: The checkpoint description every rank agreed on ("" without one).
         findings: Keys the ranks hold with different global shapes or dtypes.
         stages: Distinct sets of key names in the job (1 unless pipeline stages differ).
         partial: Keys that not every rank holds -> the lowest rank holding them (to name it).
     """
 
     live: LiveState
-    error: str | None = None
-    error_ranks: list[int] = field(default_factory=list)
-    checkpoint: str = ""
     findings: list[Finding] = field(default_factory=list)
     stages: int = 1
     partial: dict[str, int] = field(default_factory=dict)
 
 
-@cyclic_gc_paused()  # NOTE: [cyclic GC] in collectives: objects per key
-def agree_keys(
-    comm: Comm,
-    live: LiveState | None,
-    *,
-    error: str | None = None,
-    checkpoint: tuple[str, str] = ("", ""),
-) -> KeySet:
-    """Agrees on the job's live names (and the checkpoint) across ranks.
+@paused()  # NOTE: [collector]: objects per key
+def agree_keys(call: Call, live: LiveState | None) -> KeySet:
+    """Agrees on the job's live names across ranks (an agreement of `call`).
 
     Args:
-        comm: The group.
-        live: This rank's live state (None when reading it failed: pass `error`).
-        error: This rank's setup error (one line), or None.
-        checkpoint: (description, identity digest) of the checkpoint this rank opened.
+        call: The call (its failure and arguments, if any, travel too).
+        live: This rank's live state (None when reading it failed: `call` holds why).
 
     Returns:
         The KeySet, identical on every rank.
+
+    Raises:
+        RankFailure: On every rank, when any rank failed before, or the arguments differ.
     """
-    names = live.names_only() if live is not None and error is None else LiveState()
-    payload = (error, checkpoint[1], checkpoint[0], names)
-    groups, past = distinct(comm, payload)
-    failed = [g for g in groups if g.payload[0] is not None]
-    if failed or past:
-        ranks = sorted(r for g in failed for r in g.ranks) + past
-        message = failed[0].payload[0] if failed else "too many ranks failed in different ways"
-        if len(ranks) > 1:
-            message += f" (and on ranks {ranks[1:17]}{' ...' if len(ranks) > 17 else ''})"
-        first = groups[0].payload[2] if groups else ""
-        return KeySet(LiveState(), message, ranks, checkpoint=first)
-    if len({g.payload[1] for g in groups}) > 1:
-        where = "; ".join(f"ranks {g.ranks[:8]} see {g.payload[2]}" for g in groups[:4])
-        return KeySet(
-            LiveState(),
-            "ranks see different checkpoints (is the checkpoint on a filesystem every rank "
-            f"shares, and did every rank pass the same path?): {where}",
-        )
-    merged, conflicts = _union([(g.ranks, g.payload[3]) for g in groups])
-    sets = [(g.ranks[0], set(g.payload[3].tensors()) | set(g.payload[3].buffers)) for g in groups]
+    names = call.local(
+        "reading the live state", lambda: live.names_only() if live is not None else LiveState()
+    )
+    groups = call.exchange("agreeing on the keys", names)
+    merged, conflicts = _union([(g.ranks, g.payload) for g in groups])
+    sets = [(g.ranks[0], set(g.payload.tensors()) | set(g.payload.buffers)) for g in groups]
     partial: dict[str, int] = {}
     if len(sets) > 1:
         everywhere = set.intersection(*(held for _, held in sets))
@@ -89,13 +66,7 @@ def agree_keys(
             for n in held - everywhere:
                 partial.setdefault(n, first)
     stages = len({frozenset(held) for _, held in sets})
-    return KeySet(
-        merged,
-        checkpoint=groups[0].payload[2],
-        findings=conflicts,
-        stages=stages,
-        partial=partial,
-    )
+    return KeySet(merged, findings=conflicts, stages=stages, partial=partial)
 
 
 def _union(views: list[tuple[list[int], LiveState]]) -> tuple[LiveState, list[Finding]]:

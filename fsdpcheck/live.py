@@ -187,7 +187,18 @@ def _module_state(
     """Adds one module's tensors to `out`; returns its canonicaliser."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    sd = get_model_state_dict(model) if model_state is None else model_state
+    from fsdpcheck.convert.declared import has_own_hooks, live_layout
+
+    if model_state is not None:
+        sd = model_state
+    elif has_own_hooks(model):
+        # NOTE: [own state-dict hooks] The module's own hooks (torchtitan's FusedQKVLinear
+        # splits its fused parameter, gathering it first) would run on the shards, and torch's
+        # get_model_state_dict cannot name what they write: the live layout is read as it is
+        # held, and the hooks are the model's declared conversion (``convert.declared``).
+        sd = live_layout(model)
+    else:
+        sd = get_model_state_dict(model)
     raw = {k: v for k, v in sd.items() if _is_tensor(v)}
     canon = model_canonicalizer(model)
     mine = {canon(k): v for k, v in raw.items()}

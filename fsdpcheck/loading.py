@@ -8,23 +8,42 @@ against the manifest in one pass.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from fsdpcheck import matching
-from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, digest, distinct
-from fsdpcheck.errors import CheckpointError, CheckpointKindError, describe_error, root_cause
+from fsdpcheck._collector import paused
+from fsdpcheck.collectives import digest
+from fsdpcheck.convert import Conversion, Target
+from fsdpcheck.convert.declared import stated_or_declared
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import ARGUMENTS, Call, RankFailure, call
+from fsdpcheck.errors import (
+    CheckpointError,
+    CheckpointKindError,
+    RankStoppedError,
+    describe_error,
+    root_cause,
+)
 from fsdpcheck.fingerprints import fingerprint_report, fingerprints_differ
 from fsdpcheck.formats import CheckpointInfo, describe_path, is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.live import inner_optimizers, live_state, model_canonicalizer, model_parts
 from fsdpcheck.manifest import Manifest, read_manifest
 from fsdpcheck.opening import open_checked
+from fsdpcheck.reading.live import (
+    buffer_names,
+    compile_for_live,
+    converted_reads,
+    converted_state,
+    write_in_place,
+)
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
 from fsdpcheck.saving import stale_reason
 from fsdpcheck.sentinel import fill_sentinel, unwritten
@@ -58,6 +77,7 @@ def load(
     key_map: matching.KeyMap | None = None,
     group: Any = None,
     convert: Any = None,
+    timeout: float | None = None,
 ) -> Report:
     """Loads any supported checkpoint into a (sharded) model and optimizer, then checks it.
 
@@ -93,8 +113,20 @@ def load(
             before loading, and report elements the load never wrote.
         key_map: Live key -> checkpoint key or name, or prefix rules, as for ``verify``.
         group: The process group.
-        convert: How the live layout becomes the checkpoint's, for the check after the load
-            (``fsdpcheck.convert``, as for ``verify``; None: the model's declared one, if any).
+        convert: How the live layout becomes the checkpoint's (``fsdpcheck.convert``, as for
+            ``verify``; None: the model's declared one, if any). The model tensors are then
+            loaded through it, with nothing gathered: each rank reads the reference regions
+            its own shards' pieces name and writes them into its shards (the optimizer state
+            keeps the parameters' names and is loaded as usual); the check after the load
+            goes through it too.
+        timeout: Seconds a rank waits in one collective (DCP's included) for the others before
+            it names the ranks that did not answer (default: the process group's timeout,
+            which is this for the call's length).
+
+    `verify`, `expect`, `sentinel`, `key_map`, `convert` and whether an optimizer is given must
+    be the same on every rank: they are compared by digest in the first collective (ranks
+    that differ raise ``RanksDisagreeError`` on every rank, naming the argument and the ranks,
+    before anything is read). Any failure on one rank raises the same error on every rank.
 
     Returns:
         The Report of the check (its notes say what was loaded and how it was checked).
@@ -103,45 +135,21 @@ def load(
         CheckpointKindError: `expect` does not match (nothing loaded, on every rank).
         RuntimeError: On every rank, when the checkpoint fails the structure check on any rank
             (nothing loaded; the message names the rank, the file and the problem).
+        RanksDisagreeError: The ranks passed different arguments (nothing loaded).
+        RankStoppedError: A rank stopped answering, on every rank that still answers.
     """
-    if verify not in ("fingerprint", "full", None):
-        raise ValueError(f"verify must be 'fingerprint', 'full' or None, not {verify!r}")
-    if expect not in (*CHECKPOINT_KINDS, None):
-        raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
-    key_map = checked_key_map(key_map)
-    comm = Comm(group)
-    with cyclic_gc_paused():  # NOTE: [cyclic GC] in ``collectives``: objects per key
-        # One parse of the metadata per rank, checked on rank 0 alone (NOTE: [metadata once
-        # per job] in ``opening``), reused by the pairing, DCP's load and the check after.
-        source = _open(comm, path)
+    with paused(), call("fsdpcheck.load", group, timeout) as c:  # NOTE: [collector]
         try:
-            return _load(comm, model, path, source, optimizer, verify, expect, sentinel,
-                         key_map, group, convert)  # fmt: skip
-        finally:
-            source.close()
-
-
-def _open(comm: Comm, path: str | os.PathLike[str]) -> Source:
-    """The checkpoint opened on every rank (one broadcast), or the same error on every rank."""
-    opened: list[Source] = []
-
-    def open_it() -> Source:
-        opened.append(open_checked(comm, path))
-        return opened[0]
-
-    try:
-        return agree(comm, open_it, f"checking {path} before loading")
-    except BaseException:
-        for s in opened:  # opened here, failed elsewhere
-            s.close()
-        raise
+            return _load(c, model, path, optimizer, verify, expect, sentinel, key_map, group,
+                         convert)  # fmt: skip
+        except RankFailure as f:
+            raise f.failure.error() from None
 
 
 def _load(
-    comm: Comm,
+    c: Call,
     model: torch.nn.Module,
     path: str | os.PathLike[str],
-    source: Source,
     optimizer: Any,
     verify: str | None,
     expect: str | None,
@@ -150,8 +158,59 @@ def _load(
     group: Any,
     convert: Any = None,
 ) -> Report:
-    plan = agree(comm, lambda: _preflight(path, source), f"checking {path} before loading")
-    _same_checkpoint(comm, path, plan)
+    def arguments() -> Any:
+        if verify not in ("fingerprint", "full", None):
+            raise ValueError(f"verify must be 'fingerprint', 'full' or None, not {verify!r}")
+        if expect not in (*CHECKPOINT_KINDS, None):
+            raise ValueError(f"expect must be 'sharded', 'full' or None, not {expect!r}")
+        c.arguments(
+            verify=verify,
+            expect=expect,
+            sentinel=bool(sentinel),
+            key_map=key_map,
+            optimizer=given(optimizer),
+            convert=convert,
+        )
+        return checked_key_map(key_map)
+
+    key_map = c.local(ARGUMENTS, arguments)
+    c.check("agreeing on the arguments")
+    # One parse of the metadata per rank, checked on rank 0 alone (NOTE: [metadata once per
+    # job] in ``opening``), reused by the pairing, DCP's load and the check after.
+    checking = f"checking {path} before loading"
+    source = open_checked(c, path, checking)
+    try:
+        plan = c.local(checking, lambda: _preflight(path, _opened(source)))
+        _same_checkpoint(c, path, plan)
+        assert source is not None and plan is not None
+        return _loaded(c, model, path, source, plan, optimizer, verify, expect, sentinel,
+                       key_map, group, convert)  # fmt: skip
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _opened(source: Source | None) -> Source:
+    """The source of a local step that runs only when opening succeeded (else it is skipped)."""
+    assert source is not None
+    return source
+
+
+def _loaded(
+    c: Call,
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    source: Source,
+    plan: _Plan,
+    optimizer: Any,
+    verify: str | None,
+    expect: str | None,
+    sentinel: bool,
+    key_map: matching.KeyMap | None,
+    group: Any,
+    convert: Any = None,
+) -> Report:
+    comm = c.comm
     info = plan.info
     if expect is not None and expect != info.kind:
         hint = (
@@ -165,31 +224,50 @@ def _load(
             f"expected a {expect} checkpoint but {path} is {info.description}, a {info.kind} "
             f"checkpoint; nothing was loaded. {hint}"
         )
-    work = agree(
-        comm,
-        lambda: _pair(model, optimizer, info, source, key_map),
+    work = c.step(
         f"pairing {path} with the model",
+        lambda: _pair(model, optimizer, info, source, key_map, convert),
     )
+    writes: list[Any] = []
+    conv = work.conv
+    if conv is not None:
+        # Model tensors through the conversion: each rank reads the regions its own pieces
+        # name, and every rank agrees the reads succeeded; they are written with the rest.
+        items = work.match.items
+        writes = c.step(
+            f"reading {path}",
+            lambda: converted_reads(work.source, items, conv, work.values, comm.world),
+        )
     # Sentinels go in once everything that can fail before the first write has passed
     # (NOTE: [check before writing] in sources/safe_reader): a refused load leaves the model
-    # as it was, not full of sentinels.
+    # as it was, not full of sentinels. The converted pieces are written then too, after them.
     marked: list[Any] = []
+    wrote: list[bool] = []
 
     def fill() -> None:
-        marked.extend(fill_sentinel(model, optimizer))
+        if wrote:
+            return
+        wrote.append(True)
+        if sentinel:
+            marked.extend(fill_sentinel(model, optimizer))
+        write_in_place(writes)
 
+    first_write = fill if sentinel or writes else None
     if info.kind == "sharded":
-        _load_dcp(work, group, comm, fill if sentinel else None)
+        _load_dcp(work, group, c, first_write)
+        if conv is not None:  # DCP may have had nothing to read (every model tensor converted)
+            c.step("writing the converted tensors", fill)  # a no-op where it wrote
     else:
         # Reading is local and may fail on one rank: agree on it before torch's collectives.
-        full, osd = agree(comm, lambda: _read_full(work), f"reading {path}")
-        if sentinel:
-            agree(comm, fill, "sentinel")
-        _apply_full(work, full, osd)
+        full, osd = c.step(f"reading {path}", lambda: _read_full(work))
+        if first_write is not None:
+            c.step("sentinel", first_write)
+        with comm.foreign(f"setting the model's shards from {path}"):
+            _apply_full(work, full, osd)
     notes = [f"loaded {info.description} as a {info.kind} checkpoint", *info.notes]
-    paired_notes, paired_findings, rows = _pairing_everywhere(comm, work.match)
+    paired_notes, paired_findings, rows = _pairing_everywhere(c, work.match)
     notes += paired_notes
-    findings = unwritten(marked, comm) if sentinel else []
+    findings = unwritten(marked, c) if sentinel else []
     findings += paired_findings
     report: Report
     manifest = plan.manifest
@@ -217,7 +295,7 @@ def _load(
 
 
 def _pairing_everywhere(
-    comm: Comm, m: matching.LiveMatch
+    c: Call, m: matching.LiveMatch
 ) -> tuple[list[str], list[Finding], list[MappingRow]]:
     """What load's pairing found, the same on every rank.
 
@@ -226,7 +304,7 @@ def _pairing_everywhere(
     not "unexpected": only what a rank lacks (missing) is kept, with the rank, and the mapping is
     left to the check that follows (which pairs the job's keys).
     """
-    groups, past = distinct(comm, (m.notes, m.findings, m.rows))
+    groups, past = c.gather("agreeing on what the pairing found", (m.notes, m.findings, m.rows))
     if len(groups) == 1 and not past:
         return list(m.notes), list(m.findings), list(m.rows)
     notes: list[str] = []
@@ -263,24 +341,32 @@ def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
     return _Plan(info, manifest)
 
 
-def _same_checkpoint(comm: Comm, path: str | os.PathLike[str], plan: _Plan) -> None:
+def _same_checkpoint(c: Call, path: str | os.PathLike[str], plan: _Plan | None) -> None:
     """Refuses, on every rank alike, ranks that were given different checkpoints.
 
     Ranks may load copies of one checkpoint from different paths, but a full checkpoint on one
     rank and a sharded one on another would take different collectives, and wait for each
     other forever: every rank compares what it found before anything else happens (one
-    all-reduce when they agree; each different answer travels once when they do not).
+    all-reduce when they agree; each different answer travels once when they do not), and a
+    failure on any rank (opening, the structure check) ends the call here on every rank.
     """
-    m = plan.manifest
+    m = plan.manifest if plan is not None else None
     mine = (
-        plan.info.kind,
-        plan.info.layout,
-        [_relative(p, plan.info.path) for p in plan.info.parts],
-        # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
-        None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
+        (
+            plan.info.kind,
+            plan.info.layout,
+            [_relative(p, plan.info.path) for p in plan.info.parts],
+            # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
+            None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
+        )
+        if plan is not None
+        else None
     )
-    groups, past = distinct(comm, (str(path), plan.info.description, mine), word=digest(mine))
-    if len(groups) > 1 or past:
+    described = plan.info.description if plan is not None else ""
+    groups = c.exchange(
+        f"checking {path} before loading", (str(path), described, mine), word=digest(mine)
+    )
+    if len(groups) > 1:
         found = "; ".join(f"{_few(g.ranks)}: {g.payload[0]} ({g.payload[1]})" for g in groups)
         raise CheckpointError(
             f"the ranks were given different checkpoints to load ({found}); every rank must "
@@ -338,10 +424,23 @@ class _Work:
     raw: dict[str, str]  # canonical model name -> the model state dict's own key
     raw_param: dict[str, str]  # canonical parameter -> the optimizer state dict's own key
     hparams: dict[str, Any]  # the paired param groups' saved hyperparameters, by key
+    conv: Conversion | None = None  # the model tensors are loaded through it (when given)
+    values: dict[str, Any] = field(default_factory=dict)  # live tensors of its sources
 
 
-def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_map: Any) -> _Work:
-    """The live state (optimizer state created if it has none) paired with the checkpoint."""
+def _pair(
+    model: Any,
+    optimizer: Any,
+    info: CheckpointInfo,
+    source: Source,
+    key_map: Any,
+    convert: Any = None,
+) -> _Work:
+    """The live state (optimizer state created if it has none) paired with the checkpoint.
+
+    Through a conversion, the model's names are the conversion's targets (compiled from this
+    rank's names and global shapes), and the model tensors are not handed to torch's loaders.
+    """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -351,7 +450,14 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     if parts is None:
         raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
     keys = checkpoint_keys(source)
-    msds = [get_model_state_dict(p) for p in parts]
+    conv = None
+    convert = stated_or_declared(model, convert)
+    if convert is not None:
+        names = live_state(parts)
+        other = set(keys.model) | {r.key for r in keys.rows}
+        conv = compile_for_live(convert, names.names_only(), other, buffer_names(names))
+    # Through a conversion the live layout is read as it is held (``live_state``).
+    msds = [get_model_state_dict(p) for p in parts] if conv is None else None
     opts: list[Any] = []
     osds: list[Any] = []
     osd = None
@@ -374,9 +480,10 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
             "param_groups": [g for o in osds for g in o["param_groups"]],
         }
     live = live_state(parts, osd, model_state=msds)
-    m = matching.match_live(live, keys, read_objects=source.read_objects, key_map=key_map)
+    job = live if conv is None else converted_state(live, conv)
+    m = matching.match_live(job, keys, read_objects=source.read_objects, key_map=key_map)
     raw: dict[str, str] = {}
-    for part, msd in zip(parts, msds):
+    for part, msd in zip(parts, msds or []):
         canon = model_canonicalizer(part)
         raw.update({canon(k): k for k in msd})
     canon = model_canonicalizer(parts[0]) if len(parts) == 1 else (lambda n: n)
@@ -384,11 +491,13 @@ def _pair(model: Any, optimizer: Any, info: CheckpointInfo, source: Source, key_
     # Read here, where a failure is agreed on by every rank, not between DCP's collectives.
     wanted = [e.key for g in m.groups if g.ckpt for n, e in g.ckpt.items() if n != "params"]
     hparams = source.read_objects(wanted) if wanted and osd is not None else {}
-    return _Work(info, parts, opts, source, m, msds, osds, osd, raw, raw_param, hparams)
+    values = {**live.model, **live.buffers} if conv is not None else {}
+    return _Work(info, parts, opts, source, m, msds or [], osds, osd, raw, raw_param, hparams,
+                 conv, values)  # fmt: skip
 
 
 def _load_dcp(
-    w: _Work, group: Any, comm: Comm, before_writing: Callable[[], None] | None = None
+    w: _Work, group: Any, c: Call, before_writing: Callable[[], None] | None = None
 ) -> None:
     """DCP loads into the live tensors in place, each into its paired checkpoint entry.
 
@@ -412,15 +521,26 @@ def _load_dcp(
     from fsdpcheck.sources.dcp import DCPSource
     from fsdpcheck.sources.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 
-    parts = w.source.parts()
-    owner = {key: i for i, part in enumerate(parts) for key in part.entries()}
-    entries = w.source.entries()
-    states: list[dict[str, Any]] = [{} for _ in parts]
-    tied = {row.a for row in w.match.rows if row.status == "tied"}
-    for item in w.match.items:
-        if item.key in tied:
-            continue  # the same tensor as the parameter it is tied to
-        _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
+    def plan() -> tuple[list[Any], list[dict[str, Any]]]:
+        parts = w.source.parts()
+        owner = {key: i for i, part in enumerate(parts) for key in part.entries()}
+        entries = w.source.entries()
+        states: list[dict[str, Any]] = [{} for _ in parts]
+        tied = {row.a for row in w.match.rows if row.status == "tied"}
+        for item in w.match.items:
+            if item.key in tied or isinstance(item.value, Target):
+                continue  # the same tensor as the parameter it is tied to; loaded converted
+            _put(states[owner[item.ckpt_key]], entries[item.ckpt_key].path, item.value)
+        return parts, states
+
+    def agreed(step: str, fn: Callable[[], None]) -> None:
+        # Inside DCP's load, between its collectives: the same verdict on every rank.
+        try:
+            c.step(step, fn)
+        except RankFailure as f:
+            raise f.failure.error() from None
+
+    parts, states = c.step("preparing DCP's load", plan)
     loaded: list[str] = []  # the parts loaded whole, and their keys
     for i, (where, state) in enumerate(zip(w.info.parts, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
@@ -432,37 +552,38 @@ def _load_dcp(
             if isinstance(part, DCPSource)
             else SafeFileSystemReader(cast(Path, where))
         )
-        reader.agree = lambda check: agree(comm, check, "the check before writing into the model")
-        if i == 0:
-            reader.before_writing = (
-                None if before_writing is None else lambda: agree(comm, before_writing, "sentinel")
-            )
+        reader.agree = lambda check: agreed("the check before writing into the model", check)
+        if i == 0 and before_writing is not None:
+            reader.before_writing = functools.partial(agreed, "sentinel", before_writing)
         try:
-            dcp_load(
-                state,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-                process_group=group,
-                no_dist=not comm.enabled,
-            )
+            with c.comm.foreign(f"DCP reading {where}"):
+                dcp_load(
+                    state,
+                    storage_reader=reader,
+                    planner=SafeLoadPlanner(),
+                    process_group=group,
+                    no_dist=not c.comm.enabled,
+                )
         except BaseException as exc:  # torch's CheckpointException derives from BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, RankStoppedError)):
                 raise
-            lost = comm.lost_rank(exc, f"load (DCP reading {where})")
-            if lost is not None:
-                raise lost from None
-            left = _what_was_written(exc, loaded, comm.world)
+            left = _what_was_written(exc, loaded, c.comm.world)
             raise CheckpointError(
                 f"loading {where} failed: {_first_failure(exc)}; {left}"
             ) from None
         keys = sorted(_flat_keys(state))
         loaded.append(f"{where.name} ({len(keys)} keys: {_few_keys(keys)})")
-    for part, msd in zip(w.parts, w.msds):
-        set_model_state_dict(part, msd)
-    if w.osd is not None:
-        _set_hparams(w)
-        for part, opt, osd in zip(w.parts, w.optimizers, w.osds):
-            set_optimizer_state_dict(part, opt, osd)
+
+    def apply() -> None:
+        for part, msd in zip(w.parts, w.msds):
+            set_model_state_dict(part, msd)
+        if w.osd is not None:
+            _set_hparams(w)
+            for part, opt, osd in zip(w.parts, w.optimizers, w.osds):
+                set_optimizer_state_dict(part, opt, osd)
+
+    # A failure here is this rank's, kept for the next agreement (what the pairing found).
+    c.local("setting the loaded state", apply)
 
 
 def _set_hparams(w: _Work) -> None:
@@ -533,6 +654,8 @@ def _read_full(w: _Work) -> tuple[dict, dict | None]:
     full: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for item in w.match.items:
+        if isinstance(item.value, Target):
+            continue  # loaded through the conversion
         e = entries[item.ckpt_key]
         (value,) = w.source.read([_whole(e)], cpu)
         if item.is_param_state:
@@ -556,7 +679,7 @@ def _apply_full(w: _Work, full: dict, osd: dict | None) -> None:
     )
 
     options = StateDictOptions(full_state_dict=True, strict=False)
-    for part, msd in zip(w.parts, w.msds):
+    for part, msd in zip(w.parts, w.msds):  # none through a conversion
         mine = {k: v for k, v in full.items() if k in msd}
         set_model_state_dict(part, cast(Any, mine), options=options)
     if osd is not None:
@@ -580,25 +703,38 @@ def check_against_manifest(
     optimizer: Any = None,
     group: Any = None,
     convert: Any = None,
+    timeout: float | None = None,
 ) -> Report:
     """The live state against a manifest: one fingerprint pass, a few all-reduces, no file read.
 
     Collective. Optimizer entries are checked only when `optimizer` is given; through
-    `convert`, the live model's fingerprints are those of the converted layout.
+    `convert`, the live model's fingerprints are those of the converted layout. Whether an
+    optimizer is given and which manifest (its save) must be the same on every rank.
     """
-    comm = Comm(group)
-    result = fingerprint_report(model, optimizer=optimizer, group=group, convert=convert)
-    expected = {
-        k: fp
-        for k, fp in manifest.fingerprints().items()
-        if optimizer is not None or not k.startswith("optim.")
-    }
-    return Report(
-        findings=fingerprints_differ(expected, result.fingerprints) + result.findings,
-        reference=f"the manifest of {where}",
-        world_size=comm.world,
-        keys_checked=len(expected),
-        keys_a=len(result.fingerprints),
-        keys_b=len(expected),
-        side_b="manifest",
-    )
+    with call("check_against_manifest", group, timeout) as c:
+        c.arguments(
+            optimizer=given(optimizer),
+            manifest=(manifest.created, len(manifest.entries), sorted(manifest.saves.items())),
+        )
+        result = fingerprint_report(model, optimizer=optimizer, group=group, convert=convert)
+        if result.failure is not None:  # the pass ended on every rank: its one finding
+            return Report(
+                findings=result.findings,
+                reference=f"the manifest of {where}",
+                world_size=c.comm.world,
+                side_b="manifest",
+            )
+        expected = {
+            k: fp
+            for k, fp in manifest.fingerprints().items()
+            if optimizer is not None or not k.startswith("optim.")
+        }
+        return Report(
+            findings=fingerprints_differ(expected, result.fingerprints) + result.findings,
+            reference=f"the manifest of {where}",
+            world_size=c.comm.world,
+            keys_checked=len(expected),
+            keys_a=len(result.fingerprints),
+            keys_b=len(expected),
+            side_b="manifest",
+        )

@@ -13,22 +13,26 @@ rebuild the same work from (paths and settings) and its own prepared `Job`. Ever
 made by every process in the same order whatever happened locally:
 
 - A pass begins with a round: each process offers its Request, or None once its command is
-  done (``collectives.distinct``: one all-reduce of 4 words when all offer the same). Every
+  done (an agreement of the session's ``dist.runner`` call: one all-reduce of 4 words when all
+  offer the same). Every
   request offered is then run by every process, in the order of the lowest rank offering it;
   a process that did not ask for it (its command failed earlier, or took another path) rebuilds
   the job from the request and takes its share all the same.
 - Inside a pass, local steps that may fail (preparing, reading) are data, not exceptions:
-  after each, one all-reduce of one word says whether any process failed, and if one did, its
-  error becomes the pass's error on every process. The plan's digest is compared too (one
-  all-reduce of 4 words): processes that see different checkpoints stop there, never exchange
-  rows that mean different keys.
+  after each, one agreement (``dist.runner``: one all-reduce of 4 words) says whether any
+  process failed, and if one did, its error becomes the pass's error on every process. The
+  plan's digest travels in the first of them: processes that see different checkpoints stop
+  there, never exchange rows that mean different keys.
 - When its command is done, each process offers None until every process has (serving the
   passes others still ask for); then the outcomes are settled the same way: the lowest failing
   rank's error becomes every process's error, so each prints the same line and exits with the
   same code.
 
-A collective that fails (a process died: ``collectives.RankStoppedError``) ends the session:
-nothing more is sent.
+A collective that fails (a process died or stopped answering within the deadline:
+``RankStoppedError``) ends the session: nothing more is sent.
+
+The session is an argument (``compare_checkpoints(..., session=)``, ``checkpoint_fingerprints``,
+``audit``), never a global: the command line makes one when a launcher started its process.
 """
 
 from __future__ import annotations
@@ -37,16 +41,19 @@ import bisect
 import contextlib
 import datetime
 import importlib
-import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from fsdpcheck.errors import OfflineError
+
 if TYPE_CHECKING:
     import torch
 
-    from fsdpcheck.collectives import Comm, Group
+    from fsdpcheck.collectives import Group
+    from fsdpcheck.dist.comm import Comm
+    from fsdpcheck.dist.runner import Call
 
 # Nothing heavy is imported here: the command line asks `launched` before anything else.
 
@@ -55,12 +62,13 @@ T = TypeVar("T")
 #: What torchrun sets in every process it starts (LOCAL_RANK too, used to pick a GPU).
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
-#: How long a process waits in a collective for the others (gloo's limit per operation).
+#: How long a process waits in a collective for the others (the default deadline; the command
+#: line's --timeout sets another).
 #: NOTE: [waiting for the slowest share] A process that finished its share waits in the
 #: combining all-reduce for the slowest one: shares hold equal bytes, but a host whose page
 #: cache is cold, or whose filesystem is slower, reads its share at a tenth of the others'
 #: speed (a 64 GB share: ~11 minutes at 100 MB/s). torch's default of 30 minutes would fail
-#: such a launch; a process that died is found at once anyway (``collectives.Comm`` watches the
+#: such a launch; a process that died is found at once anyway (``dist.comm.Comm`` watches the
 #: store), so only a hung process makes anyone wait this long.
 TIMEOUT_S = 6 * 3600
 
@@ -75,15 +83,12 @@ _FACTORIES = {
     "fingerprint": "fsdpcheck.fingerprints:serve_fingerprints",
 }
 
-_CURRENT: Session | None = None
-
-
-class OfflineError(ValueError):
-    """An error of some processes of a launch, worded the same on every process."""
-
 
 def launched() -> bool:
-    """Whether this process is one of several started by torchrun (from its environment).
+    """Whether the environment names a launch of several processes (torchrun's variables).
+
+    The variables say nothing about who set them: a process that a launched one started
+    inherits them (see `started_by_launcher`).
 
     Raises:
         ValueError: WORLD_SIZE or RANK is set but is not an integer.
@@ -101,35 +106,167 @@ def launched() -> bool:
     return world > 1 and 0 <= rank < world
 
 
-def current() -> Session | None:
-    """The session of this process, or None (one process: the commands run alone)."""
-    return _CURRENT
+#: Processes that start the processes of a launch (their own children join it), by what their
+#: command line holds: a program's name, or the module run with ``python -m``.
+LAUNCHERS = (
+    "torchrun",
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "deepspeed.launcher.launch",
+    "deepspeed",
+)
+#: Programs that start the command they are given as a child or by exec, leaving it the same
+#: process (a launcher may run the command through them: ``--no-python sh -c ...``).
+WRAPPERS = frozenset(
+    {"sh", "bash", "dash", "zsh", "ksh", "env", "nice", "ionice", "timeout", "stdbuf", "setsid",
+     "taskset", "numactl", "chrt", "time", "nohup"}
+)  # fmt: skip
+
+
+def started_by_launcher() -> bool:
+    """Whether a launcher started this very process (its parent, through wrapper shells).
+
+    NOTE: [who joins a launch] in ``cli``: a process started by a launched process (a training
+    rank shelling out) inherits the launch's variables but is not one of its processes. Read
+    from ``/proc``: False where there is none (then only --dist joins).
+    """
+    pid = os.getppid()
+    for _ in range(16):
+        argv = _cmdline(pid)
+        if not argv:
+            return False
+        if _is_launcher(argv):
+            return True
+        if os.path.basename(argv[0]) not in WRAPPERS:
+            return False
+        pid = _parent(pid)
+        if pid <= 1:
+            return False
+    return False
+
+
+def _is_launcher(argv: list[str]) -> bool:
+    names = [os.path.basename(a) for a in argv[:4]]
+    if names[0] in LAUNCHERS or (len(names) > 1 and names[1] in LAUNCHERS):
+        return True  # torchrun ..., python /path/to/torchrun ...
+    for i, a in enumerate(argv[1:6], start=1):
+        if a == "-m" and i + 1 < len(argv) and argv[i + 1] in LAUNCHERS:
+            return True  # python -m torch.distributed.run ...
+    # accelerate launch: the agent runs inside the accelerate process
+    return any(n == "accelerate" for n in names[:2]) and "launch" in argv[1:4]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @contextlib.contextmanager
-def session() -> Iterator[Session]:
+def session(timeout: float | None = None) -> Iterator[Session]:
     """Joins the launch's processes for the commands run inside (gloo, over TCP).
 
     Uses the default process group when one exists (and leaves it); otherwise creates it from
-    torchrun's environment and destroys it on the way out, so that no process is torn down with
-    the group's threads still running.
+    the launcher's environment and destroys it on the way out, so that no process is torn down
+    with the group's threads still running.
+
+    Args:
+        timeout: Seconds a process waits in one collective for the others before it names the
+            ones that did not answer (default ``TIMEOUT_S``), and at most for the others to join.
+
+    Raises:
+        OfflineError: The processes did not all join within the deadline (one line naming the
+            launcher's variables).
     """
-    global _CURRENT
     import torch.distributed as dist
 
-    from fsdpcheck.collectives import Comm
+    from fsdpcheck.dist.runner import call
 
     own = not dist.is_initialized()
+    seconds = TIMEOUT_S if timeout is None else timeout
     if own:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    previous, _CURRENT = _CURRENT, Session(Comm())
+        _rendezvous(seconds)
     try:
-        yield _CURRENT
+        with call("the launch", None, seconds if own else timeout) as c:
+            yield Session(c)
     finally:
-        _CURRENT = previous
         if own:
             with contextlib.suppress(Exception):  # a group broken by a lost process
                 dist.destroy_process_group()
+
+
+#: The longest a process waits for the others to join (the rest of the deadline is the
+#: collectives'): processes of one launch start within seconds of each other.
+RENDEZVOUS_S = 600.0
+
+
+def _rendezvous(seconds: float) -> None:
+    """The default process group from the launcher's environment, or one line saying why not."""
+    import torch.distributed as dist
+
+    env = os.environ
+    joining = min(seconds, RENDEZVOUS_S)
+    try:
+        # torch's C++ side logs every retry to the process's stderr: a page per attempt, where
+        # the failure is one line (below).
+        with _quiet_stderr():
+            store, rank, world = next(
+                dist.rendezvous("env://", timeout=datetime.timedelta(seconds=joining))
+            )
+        store.set_timeout(datetime.timedelta(seconds=seconds))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=seconds),
+        )
+    except Exception as exc:
+        said = " ".join(f"{k}={env.get(k, '')}" for k in LAUNCH_ENV)
+        raise OfflineError(
+            f"could not join the launch ({said}) within {joining:g} s: "
+            f"{_first_line(exc)}; unset these variables to run as one process"
+        ) from None
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null inside (C++ writes there directly)."""
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to quiet
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _first_line(exc: BaseException) -> str:
+    from fsdpcheck.errors import shown
+
+    text = str(exc).strip().splitlines()
+    return shown(text[0][:200] if text else type(exc).__name__)
 
 
 # -------------------------------------------------------------------------------------------
@@ -210,11 +347,16 @@ class _Outcome:
 
 
 class Session:
-    """This process's part in a launch: its rank and the passes it takes part in."""
+    """This process's part in a launch: its rank and the passes it takes part in.
 
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-        self.rank, self.world = comm.rank, comm.world
+    Every collective goes through the ``dist.runner`` call it was made with (its deadline, its
+    agreements).
+    """
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.comm: Comm = call.comm
+        self.rank, self.world = call.comm.rank, call.comm.world
         self.local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         self._broken = False
 
@@ -303,15 +445,11 @@ class Session:
 
         Processes whose offers were past ``collectives.MAX_DISTINCT`` offer again next round.
         """
-        from fsdpcheck.collectives import distinct
-
-        groups, past = distinct(self.comm, payload)
+        groups, past = self.call.gather("offering passes", payload)
         return groups, not past
 
     def _pass(self, request: Request, job: Job | None) -> _Outcome:
         """One pass of `request` (collective); `job` is None on a process that did not ask."""
-        from fsdpcheck.collectives import same_everywhere
-
         own = job is not None
         error, word = None, 0
         try:
@@ -321,12 +459,10 @@ class Session:
         except Exception as exc:  # never leave the other processes waiting below
             error = _describe(exc)
         try:
-            failed = self._agree(error)
+            failed = self._agree(error, word=word, what=_what(request))
             if failed is not None:
                 return _Outcome(None, failed)
             assert job is not None
-            if not same_everywhere(self.comm, word):
-                return _Outcome(None, _DIFFERENT.format(what=_what(request)))
             partial = None
             try:
                 partial = job.measure(share(job.sizes(), self.rank, self.world))
@@ -340,28 +476,36 @@ class Session:
             if not own and job is not None:
                 job.close()
 
-    def _agree(self, error: str | None, worded: bool = False) -> str | None:
+    def _agree(
+        self,
+        error: str | None,
+        worded: bool = False,
+        word: int | None = None,
+        what: str = "the same paths",
+    ) -> str | None:
         """The lowest failing rank's error on every process, or None when none failed.
 
-        Collective. The error is named with the ranks it happened on, unless it happened on
-        every rank or is `worded` already (an error a pass agreed on names them).
+        Collective (an agreement of the session's call). The error is named with the ranks it
+        happened on, unless it happened on every rank or is `worded` already (an error a pass
+        agreed on names them). With `word` (a pass's plan digest), processes whose plans differ
+        fail too: they see different checkpoints.
         """
-        from fsdpcheck.collectives import any_rank, distinct
+        from fsdpcheck.dist.runner import RankFailure
 
-        if not any_rank(self.comm, error is not None):
-            return None
-        groups, past = distinct(self.comm, None if error is None else (error, worded))
-        failed = [g for g in groups if g.payload is not None]
-        ranks = sorted(itertools.chain(past, *(g.ranks for g in failed)))
-        if not failed:
-            return f"failed on {_ranks_text(ranks)} (their errors were not gathered)"
-        first = failed[0]
-        text, done = first.payload
-        if done or len(first.ranks) == self.world:
-            return str(text)
-        others = [r for r in ranks if r not in first.ranks]
-        more = f"; other errors on {_ranks_text(others)}" if others else ""
-        return f"{text} (on {_ranks_text(first.ranks)}{more})"
+        if error is not None:
+            self.call.fail("OfflineError", error, "worded" if worded else "")
+        try:
+            groups = self.call.exchange("agreeing on the outcome", word=word or 0)
+        except RankFailure as f:
+            failure = f.failure
+            if failure.step == "worded" or len(failure.same) == self.world:
+                return failure.message
+            others = [r for r in failure.ranks if r not in failure.same]
+            more = f"; other errors on {_ranks_text(others)}" if others else ""
+            return f"{failure.message} (on {_ranks_text(list(failure.same))}{more})"
+        if len(groups) > 1:
+            return _DIFFERENT.format(what=what)
+        return None
 
 
 _DIFFERENT = (
@@ -389,14 +533,15 @@ def _describe(exc: BaseException) -> str:
 
 
 __all__ = [
+    "LAUNCHERS",
     "LAUNCH_ENV",
     "Job",
     "OfflineError",
     "Request",
     "Session",
-    "current",
     "launched",
     "piece_bytes",
     "session",
     "share",
+    "started_by_launcher",
 ]

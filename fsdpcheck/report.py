@@ -224,6 +224,42 @@ class Finding:
         )
 
 
+def uncovered(
+    key: str, covered: int, held_by: Sequence[int] | None, numel: int, what: str
+) -> Finding:
+    """The ranks' parts of `key` do not tile it: elements held by no rank, or by two.
+
+    Args:
+        key: The key.
+        covered: The elements the ranks' parts hold, summed.
+        held_by: Elements each rank holds, when known.
+        numel: The key's global element count.
+        what: The noun for a rank's part ("shards", "parts").
+    """
+    held = list(held_by or [])
+    some = [r for r, n in enumerate(held) if n > 0]
+    none = [r for r, n in enumerate(held) if n <= 0]
+    who = ""
+    if held:
+        # Bounded: a key held by 16,384 ranks is not a 100 kB message.
+        who = f" (held by ranks {_few(some)}" + (
+            f"; ranks {_few(none)} hold none of it)" if none else ")"
+        )
+    gap = abs(numel - covered)
+    lost = "are held by no rank" if covered < numel else f"are counted twice (overlapping {what})"
+    return Finding(
+        key,
+        "layout",
+        f"the ranks' {what} cover {covered} of its {numel} elements: {gap} {lost}{who}; "
+        "did every rank pass the same model and optimizer, with every shard?",
+        ranks=some,
+    )
+
+
+def _few(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 16 else f"{ranks[:16]} and {len(ranks) - 16} more"
+
+
 def normalized(findings: Sequence[Finding]) -> list[Finding]:
     """One finding per (key, kind, message), with every rank it happened on; key, then KINDS."""
     merged: dict[tuple[str, str, str], Finding] = {}

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from fsdpcheck import _version, matching
-from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, distinct
-from fsdpcheck.errors import describe_error, root_cause
+from fsdpcheck._collector import paused
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import ARGUMENTS, Call, RankFailure, call
+from fsdpcheck.errors import RankStoppedError, describe_error, root_cause
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.formats import is_dcp_dir
 from fsdpcheck.keys import checkpoint_keys
@@ -51,6 +53,7 @@ def save(
     optimizer: Any = None,
     overwrite: bool = False,
     group: Any = None,
+    timeout: float | None = None,
 ) -> Manifest:
     """Saves the sharded state with DCP and writes a fingerprint manifest next to it, atomically.
 
@@ -72,6 +75,12 @@ def save(
             state (have stepped): fsdpcheck never initialises an optimizer's state.
         overwrite: Replace an existing checkpoint at `path` (whole: nothing of it survives).
         group: The process group.
+        timeout: Seconds a rank waits in one collective (DCP's included) for the others before
+            it names the ranks that did not answer (default: the process group's timeout,
+            which is this for the call's length).
+
+    `path`, `overwrite` and whether an optimizer is given must be the same on every rank
+    (compared in the first collective: ``RanksDisagreeError`` on every rank otherwise).
 
     Returns:
         The manifest (identical on every rank).
@@ -82,30 +91,46 @@ def save(
         OSError: DCP's writing failed with a system error (a full disk: "No space left on
             device"), on every rank; the target is as it was.
         FileExistsError: `path` holds something and `overwrite` is False (on every rank).
+        RankStoppedError: A rank stopped answering, on every rank that still answers.
     """
-    if is_url(path):  # NOTE: [saving to object storage] in saving_remote
-        from fsdpcheck.saving_remote import save_to_url
+    with paused(), call("fsdpcheck.save", group, timeout) as c:  # NOTE: [collector]
+        try:
+            if is_url(path):  # NOTE: [saving to object storage] in saving_remote
+                from fsdpcheck.saving_remote import save_to_url
 
-        return save_to_url(model, str(path), optimizer=optimizer, overwrite=overwrite, group=group)
-    comm = Comm(group)
-    given = Path(location(path)).absolute()  # file://: a local path
-    target = resolve_target(given)
+                return save_to_url(c, model, str(path), optimizer, overwrite, group)
+            return _save(c, model, path, optimizer, overwrite, group)
+        except RankFailure as f:
+            raise f.failure.error() from None
+
+
+def _save(
+    c: Call, model: Any, path: str | os.PathLike[str], optimizer: Any, overwrite: bool, group: Any
+) -> Manifest:
+    comm = c.comm
+
+    def where() -> tuple[Path, Path]:
+        c.arguments(optimizer=given(optimizer), overwrite=bool(overwrite), url=False)
+        absolute = Path(location(path)).absolute()  # file://: a local path
+        return absolute, resolve_target(absolute)
+
+    named, target = c.local(ARGUMENTS, where, (Path(str(path)), Path(str(path))))
     # The same directory everywhere (one all-reduce when the ranks agree: NOTE: [bytes per
     # rank]); the scratch name from rank 0.
-    groups, past = distinct(comm, (str(given), str(target)))
-    if len(groups) > 1 or past:
+    groups = c.exchange("agreeing on the path", (str(named), str(target)))
+    if len(groups) > 1:
         raise RuntimeError(
             "fsdpcheck.save: the ranks were given different paths "
             f"({sorted({g.payload[0] for g in groups})}) or see them lead to different "
             f"directories ({sorted({g.payload[1] for g in groups})}); every rank must save to "
             "the same directory"
         )
-    tmp = scratch_dir(target, comm.broadcast_object(secrets.token_hex(6), 0))
+    tmp = scratch_dir(target, comm.broadcast_object(secrets.token_hex(6), 0, "naming the scratch"))
 
     def prepare() -> dict[str, Any]:
         if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
             raise FileExistsError(
-                f"{given} exists and is not empty; pass overwrite=True to replace it"
+                f"{named} exists and is not empty; pass overwrite=True to replace it"
             )
         optimizers = inner_optimizers(optimizer) if optimizer is not None else []
         empty = [i for i, o in enumerate(optimizers) if not o.state]
@@ -120,48 +145,47 @@ def save(
             tmp.mkdir(parents=True)
         return _save_state(model, optimizers)
 
-    with cyclic_gc_paused():  # NOTE: [cyclic GC] in ``collectives``: objects per key
-        state = agree(comm, prepare, f"fsdpcheck.save to {given}")
+    try:
+        state = c.step(f"fsdpcheck.save to {named}", prepare)
         _step("scratch made")
-        try:
-            _dcp_save(state, tmp, given, group, comm)
-            _step("state written")
-            fps = fingerprint_report(model, optimizer=optimizer, group=group)
-            # Rank 0 reads what DCP wrote and builds the manifest; the others get it from rank 0
-            # (one broadcast of O(keys)), so it is read once per job and identical everywhere.
-            built = agree(
-                comm,
-                lambda: _saved_manifest(tmp, fps, comm) if comm.rank == 0 else None,
-                "building the manifest",
-            )
-            manifest: Manifest = comm.broadcast_object(built, 0)
+        _dcp_save(state, tmp, named, group, c)
+        _step("state written")
+        fps = fingerprint_report(model, optimizer=optimizer, group=group)
+        if fps.failure is not None:  # agreed on in the pass: the same on every rank
+            fps.failure.raise_()
+        # Rank 0 reads what DCP wrote and builds the manifest; the others get it from rank 0
+        # (one broadcast of O(keys)), so it is read once per job and identical everywhere.
+        built = c.step(
+            "building the manifest",
+            lambda: _saved_manifest(tmp, fps, comm) if comm.rank == 0 else None,
+        )
+        manifest: Manifest = comm.broadcast_object(built, 0, "sending the manifest")
 
-            def publish() -> None:
-                if comm.rank == 0:
-                    write_manifest(tmp, manifest)
-                    _step("manifest written")
-                    publish_dir(tmp, target)
-
-            agree(comm, publish, f"moving the checkpoint into {given}")
-        except BaseException:
+        def publish() -> None:
             if comm.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return manifest
+                write_manifest(tmp, manifest)
+                _step("manifest written")
+                publish_dir(tmp, target)
+
+        c.step(f"moving the checkpoint into {named}", publish)
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
 
 
-def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, comm: Comm) -> None:
+def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, c: Call) -> None:
     """DCP's save into the scratch directory; its failure in one line naming the root cause."""
     from torch.distributed.checkpoint import save as dcp_save
 
+    comm = c.comm
     try:
-        dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
+        with comm.foreign("DCP writing the state"):
+            dcp_save(state, checkpoint_id=str(tmp), process_group=group, no_dist=not comm.enabled)
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, RankStoppedError)):
             raise
-        lost = comm.lost_rank(exc, "fsdpcheck.save (DCP writing the state)")
-        if lost is not None:
-            raise lost from None
         rank, cause = root_cause(exc)
         on = f" on rank {rank}" if rank is not None and comm.world > 1 else ""
         message = (
@@ -189,11 +213,19 @@ def _save_state(model: Any, optimizers: list[Any]) -> dict[str, Any]:
         get_optimizer_state_dict,
     )
 
+    from fsdpcheck.convert.declared import has_own_hooks
+
     parts = model_parts(model)
     if parts is None:
         raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
     msd: dict[str, Any] = {}
     for part in parts:
+        if has_own_hooks(part):  # NOTE: [own state-dict hooks] in ``live``
+            raise TypeError(
+                f"fsdpcheck.save cannot save {type(part).__name__}: its modules' own state-dict "
+                "hooks change what it saves (and would gather it); save it with its library's "
+                "checkpointer and check that with fsdpcheck.verify, which follows the hooks"
+            )
         msd.update(get_model_state_dict(part))
     if not optimizers:
         return {"model": msd}
@@ -265,6 +297,7 @@ def write_checkpoint_manifest(
     optimizer: Any = None,
     files: Callable[[], list[Path]] | None = None,
     group: Any = None,
+    timeout: float | None = None,
 ) -> Manifest:
     """Writes fsdpcheck's manifest of the live state into a checkpoint another library wrote.
 
@@ -278,10 +311,29 @@ def write_checkpoint_manifest(
         files: Returns the files or DCP directories holding the tensors (default: the folder
             itself); called on rank 0 only.
         group: The process group.
+        timeout: Seconds a rank waits in one collective for the others (default: the group's).
     """
-    comm = Comm(group)
+    with call("write_checkpoint_manifest", group, timeout) as c:
+        try:
+            return _write_checkpoint_manifest(c, model, folder, optimizer, files, group)
+        except RankFailure as f:
+            raise f.failure.error() from None
+
+
+def _write_checkpoint_manifest(
+    c: Call,
+    model: Any,
+    folder: str | os.PathLike[str],
+    optimizer: Any,
+    files: Callable[[], list[Path]] | None,
+    group: Any,
+) -> Manifest:
+    comm = c.comm
     root = Path(folder)
+    c.arguments(optimizer=given(optimizer), files=given(files))
     fps = fingerprint_report(model, optimizer=optimizer, group=group)
+    if fps.failure is not None:  # agreed on in the pass: the same on every rank
+        fps.failure.raise_()
 
     def build_and_write() -> Manifest | None:
         # Rank 0 only: trainers that write full checkpoints write them from rank 0, so other
@@ -297,12 +349,12 @@ def write_checkpoint_manifest(
         write_manifest(root, manifest)
         return manifest
 
-    built = agree(comm, build_and_write, f"writing the fsdpcheck manifest of {root}")
-    manifest: Manifest = comm.broadcast_object(built, 0)  # from the rank that wrote it
+    built = c.step(f"writing the fsdpcheck manifest of {root}", build_and_write)
+    manifest: Manifest = comm.broadcast_object(built, 0, "sending the manifest")
     return manifest
 
 
-def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Comm) -> Manifest:
+def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Any) -> Manifest:
     source = DCPSource(tmp)
     try:
         return build_manifest(source, fps, comm.world, dcp_saves(tmp, [tmp]))

@@ -16,8 +16,9 @@ import json
 from typing import Any
 
 from fsdpcheck._compat import fsspec_writer
-from fsdpcheck.collectives import Comm, agree, cyclic_gc_paused, distinct
-from fsdpcheck.errors import describe_error, root_cause
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import ARGUMENTS, Call
+from fsdpcheck.errors import RankStoppedError, describe_error, root_cause
 from fsdpcheck.fingerprints import fingerprint_report
 from fsdpcheck.live import inner_optimizers
 from fsdpcheck.manifest import MANIFEST_NAME, Manifest
@@ -27,19 +28,26 @@ __all__ = ["save_to_url"]
 
 
 def save_to_url(
-    model: Any, url: str, *, optimizer: Any = None, overwrite: bool = False, group: Any = None
+    c: Call, model: Any, url: str, optimizer: Any, overwrite: bool, group: Any
 ) -> Manifest:
     """``fsdpcheck.save`` to an object store (see NOTE: [saving to object storage]).
 
-    Collective; the arguments and errors are those of ``fsdpcheck.save``.
+    Collective, inside save's call (``dist.runner``); the arguments and errors are those of
+    ``fsdpcheck.save``.
     """
     from fsdpcheck.saving import _save_state, _step, build_manifest, dcp_saves
 
-    comm = Comm(group)
-    root = location(url)
-    assert isinstance(root, RemotePath)
-    groups, past = distinct(comm, str(root))
-    if len(groups) > 1 or past:
+    comm = c.comm
+
+    def where() -> RemotePath:
+        c.arguments(optimizer=given(optimizer), overwrite=bool(overwrite), url=True)
+        root = location(url)
+        assert isinstance(root, RemotePath)
+        return root
+
+    root = c.local(ARGUMENTS, where)
+    groups = c.exchange("agreeing on the URL", str(root))
+    if len(groups) > 1:
         raise RuntimeError(
             "fsdpcheck.save: the ranks were given different URLs "
             f"({sorted({g.payload for g in groups})}); every rank must save to the same one"
@@ -64,53 +72,53 @@ def save_to_url(
                 root.store.remove(root.key)
         return _save_state(model, optimizers)
 
-    with cyclic_gc_paused():  # NOTE: [cyclic GC] in ``collectives``: objects per key
-        state = agree(comm, prepare, f"fsdpcheck.save to {root}")
-        _dcp_save(state, root, group, comm)
-        _step("state written")
-        fps = fingerprint_report(model, optimizer=optimizer, group=group)
+    state = c.step(f"fsdpcheck.save to {root}", prepare)
+    _dcp_save(state, root, group, c)
+    _step("state written")
+    fps = fingerprint_report(model, optimizer=optimizer, group=group)
+    if fps.failure is not None:  # agreed on in the pass: the same on every rank
+        fps.failure.raise_()
 
-        def build() -> Manifest | None:
-            if comm.rank != 0:
-                return None
-            from fsdpcheck.sources.remote_dcp import RemoteDCPSource
+    def build() -> Manifest | None:
+        if comm.rank != 0:
+            return None
+        from fsdpcheck.sources.remote_dcp import RemoteDCPSource
 
-            source = RemoteDCPSource(root)
-            try:
-                return build_manifest(source, fps, comm.world, dcp_saves(root, [root]))
-            finally:
-                source.close()
+        source = RemoteDCPSource(root)
+        try:
+            return build_manifest(source, fps, comm.world, dcp_saves(root, [root]))
+        finally:
+            source.close()
 
-        built = agree(comm, build, "building the manifest")
-        manifest: Manifest = comm.broadcast_object(built, 0)
+    built = c.step("building the manifest", build)
+    manifest: Manifest = comm.broadcast_object(built, 0, "sending the manifest")
 
-        def publish() -> None:
-            if comm.rank == 0:
-                data = json.dumps(manifest.to_json(), indent=1).encode()
-                root.store.write(f"{root.key}/{MANIFEST_NAME}", data)
-                _step("manifest written")
+    def publish() -> None:
+        if comm.rank == 0:
+            data = json.dumps(manifest.to_json(), indent=1).encode()
+            root.store.write(f"{root.key}/{MANIFEST_NAME}", data)
+            _step("manifest written")
 
-        agree(comm, publish, f"writing the manifest into {root}")
-        return manifest
+    c.step(f"writing the manifest into {root}", publish)
+    return manifest
 
 
-def _dcp_save(state: dict[str, Any], root: RemotePath, group: Any, comm: Comm) -> None:
+def _dcp_save(state: dict[str, Any], root: RemotePath, group: Any, c: Call) -> None:
     """DCP's save through its fsspec writer; its failure in one line naming the root cause."""
     from torch.distributed.checkpoint import save as dcp_save
 
+    comm = c.comm
     try:
-        dcp_save(
-            state,
-            storage_writer=fsspec_writer(str(root)),
-            process_group=group,
-            no_dist=not comm.enabled,
-        )
+        with comm.foreign("DCP writing the state"):
+            dcp_save(
+                state,
+                storage_writer=fsspec_writer(str(root)),
+                process_group=group,
+                no_dist=not comm.enabled,
+            )
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, RankStoppedError)):
             raise
-        lost = comm.lost_rank(exc, "fsdpcheck.save (DCP writing the state)")
-        if lost is not None:
-            raise lost from None
         rank, cause = root_cause(exc)
         on = f" on rank {rank}" if rank is not None and comm.world > 1 else ""
         raise RuntimeError(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpcheck.collectives import Comm, distinct
+from fsdpcheck.dist.runner import Call
 from fsdpcheck.layout import local_layout
 from fsdpcheck.live import flat_live
 from fsdpcheck.report import Finding
@@ -46,8 +46,11 @@ def fill_sentinel(model: Any, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
     return marked
 
 
-def unwritten(marked: list[tuple[str, torch.Tensor]], comm: Comm) -> list[Finding]:
-    """Findings for keys with elements that still hold the sentinel (summed over ranks)."""
+def unwritten(marked: list[tuple[str, torch.Tensor]], call: Call) -> list[Finding]:
+    """Findings for keys with elements that still hold the sentinel (summed over ranks).
+
+    Collective (an agreement of `call`, then one all-reduce of one word per key).
+    """
     local: dict[str, int] = {}
     for key, t in marked:
         view_dtype, bits = _SENTINEL_BITS[t.dtype]
@@ -56,10 +59,10 @@ def unwritten(marked: list[tuple[str, torch.Tensor]], comm: Comm) -> list[Findin
             local[key] = local.get(key, 0) + n
     # The job's keys (pipeline stages mark different ones), then one summed row per key: no
     # per-rank data travels (NOTE: [bytes per rank] in collectives).
-    groups, past = distinct(comm, sorted({key for key, _ in marked}))
+    groups, past = call.gather("finding what the load never wrote", sorted({k for k, _ in marked}))
     universe = sorted(set().union(*(g.payload for g in groups)))
     row = torch.tensor([local.get(k, 0) for k in universe], dtype=torch.int64)
-    summed = comm.all_reduce(row, dist.ReduceOp.SUM).tolist()
+    summed = call.comm.all_reduce(row, dist.ReduceOp.SUM).tolist()
     counts = {k: n for k, n in zip(universe, summed) if n}
     findings = []
     if past:

@@ -70,6 +70,17 @@ class KeyStats:
         if d.fingerprint_actual is not None:
             self.add_copy(d.fingerprint_actual, box, d.numel)
 
+    def cover(self, numel: int, box: Box) -> None:
+        """Counts elements of this rank's copy that were compared without a fingerprint.
+
+        For the coverage check (the counted copies must tile the key); ``add_copy`` counts
+        them when there is a fingerprint.
+        """
+        self.copy_numel += numel
+        if self.box < 0:
+            assert box.offset is not None
+            self.box = ravel(box.offset, box.shape)
+
     def add_copy(self, fingerprint: int, box: Box, numel: int) -> None:
         """Adds one piece of this rank's copy: its fingerprint and the elements it covers."""
         self.fp = ((self.fp or 0) + fingerprint) & MASK64
@@ -99,9 +110,12 @@ class Combined:
         fingerprint: Fingerprint v1 of the key: the sum of the counted copies, or None when no
             rank fingerprinted it.
         covered: Elements the counted copies cover (the key's numel when they tile it).
+        counted_mismatched: Mismatched elements of the counted copies (each element once).
         replicas_disagree: Copies of the same elements differ on some ranks.
         replica_groups: Ranks grouped by the content of their copy of the first box whose
             copies differ (when that was looked up), largest group first.
+        held_by: Elements each rank's copy covers, in rank order, when the copies do not tile
+            the key (looked up for the first keys only; else None).
     """
 
     counts: dict[str, int]
@@ -113,8 +127,10 @@ class Combined:
     max_rel_rank: int
     fingerprint: int | None = None
     covered: int = 0
+    counted_mismatched: int = 0
     replicas_disagree: bool = False
     replica_groups: list[list[int]] | None = None
+    held_by: list[int] | None = None
 
     @property
     def numel(self) -> int:

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import RankFailure, call
 from fsdpcheck.fingerprints import check_replicas
 from fsdpcheck.loading import check_against_manifest
 from fsdpcheck.manifest import read_manifest
@@ -51,6 +52,12 @@ class ReplicaWatch:
             compared too. An optimizer that has not stepped yet is skipped, with a note.
         every: Check on every `every`-th call of ``step()`` (1: every call).
         group: The process group (default: the default group).
+        timeout: Seconds a rank waits in one collective for the others before it names the
+            ranks that did not answer (default: the process group's timeout).
+
+    Each check compares `every`, the step count and whether an optimizer is given across the
+    ranks first (a watch made differently on one rank, or stepped a different number of times,
+    ends the check on every rank with ``RanksDisagreeError`` naming it).
 
     Attributes:
         steps: Calls of ``step()`` so far.
@@ -58,7 +65,13 @@ class ReplicaWatch:
     """
 
     def __init__(
-        self, model: Any, optimizer: Any = None, *, every: int = 100, group: Any = None
+        self,
+        model: Any,
+        optimizer: Any = None,
+        *,
+        every: int = 100,
+        group: Any = None,
+        timeout: float | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"ReplicaWatch: every must be an int >= 1, got {every!r}")
@@ -66,6 +79,7 @@ class ReplicaWatch:
         self.optimizer = optimizer
         self.every = every
         self.group = group
+        self.timeout = timeout
         self.steps = 0
         self.last: Report | None = None
 
@@ -83,7 +97,9 @@ class ReplicaWatch:
 
     def check(self) -> Report:
         """Checks the replicas now, whatever the step count (collective)."""
-        report = check_replicas(self.model, optimizer=self.optimizer, group=self.group)
+        with call("ReplicaWatch.step", self.group, self.timeout) as c:
+            c.arguments(every=self.every, steps=self.steps, optimizer=given(self.optimizer))
+            report = check_replicas(self.model, optimizer=self.optimizer, group=self.group)
         # Before the optimizer's first step there is no state to compare; that is not a replica
         # problem, so the watch says so in a note instead of failing the run.
         unstepped = [f for f in report.findings if f.kind == "missing" and f.key == "optim.state"]
@@ -102,6 +118,7 @@ def verify_resumed(
     optimizer: Any = None,
     files: Sequence[str | os.PathLike[str]] | None = None,
     group: Any = None,
+    timeout: float | None = None,
     **verify_kwargs: Any,
 ) -> Report:
     """Checks what a trainer loaded from `checkpoint` into the model (and optimizer).
@@ -119,23 +136,34 @@ def verify_resumed(
         files: The files or DCP directories to verify against when there is no manifest
             (default: `checkpoint` itself).
         group: The process group.
+        timeout: Seconds a rank waits in one collective for the others before it names the
+            ranks that did not answer (default: the process group's timeout).
         **verify_kwargs: Passed to ``fsdpcheck.verify`` (rtol, atol, ignore, memory_budget...).
 
     Returns:
         The Report, identical on every rank; its notes say which check ran.
+
+    Raises:
+        RanksDisagreeError: The ranks passed different arguments, or found a manifest on some
+            ranks and not on others (a filesystem not yet in sync).
     """
-    comm = Comm(group)
-    path = Path(checkpoint)
-    manifest = agree(
-        comm,
-        lambda: read_manifest(path) if path.is_dir() else None,
-        f"reading the fsdpcheck manifest of {path}",
-    )
-    if manifest is not None:
-        report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
-        report.notes.append(f"checked by fingerprint against the fsdpcheck manifest of {path}")
+    with call("verify_resumed", group, timeout) as c:
+        path = Path(checkpoint)
+        agreed = {k: v for k, v in verify_kwargs.items() if k not in ("memory_budget", "group")}
+        c.arguments(optimizer=given(optimizer), files=given(files), **agreed)
+        try:
+            manifest = c.step(
+                f"reading the fsdpcheck manifest of {path}",
+                lambda: read_manifest(path) if path.is_dir() else None,
+                agree_on=lambda m: None if m is None else (m.created, len(m.entries)),
+            )
+        except RankFailure as f:
+            raise f.failure.error() from None
+        if manifest is not None:
+            report = check_against_manifest(model, manifest, path, optimizer=optimizer, group=group)
+            report.notes.append(f"checked by fingerprint against the fsdpcheck manifest of {path}")
+            return report
+        reference: Any = [Path(f) for f in files] if files else path
+        report = verify(model, reference, optimizer=optimizer, group=group, **verify_kwargs)
+        report.notes.insert(0, f"no fsdpcheck manifest in {path}: verified against its files")
         return report
-    reference: Any = [Path(f) for f in files] if files else path
-    report = verify(model, reference, optimizer=optimizer, group=group, **verify_kwargs)
-    report.notes.insert(0, f"no fsdpcheck manifest in {path}: verified against its files")
-    return report

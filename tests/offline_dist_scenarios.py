@@ -137,11 +137,11 @@ def everyone(value: Any) -> list[Any]:
     return out
 
 
-def cli(argv: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of the command line."""
+def cli(argv: list[str], session: Any = None) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the command line (spread over `session` when given)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
+        code = main(argv, session=session)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -185,8 +185,8 @@ def spread_runs_equal_one_process(w: World) -> Any:
     for name, argv in commands(w.ckpts).items():
         with alone():
             code1, text1, _ = cli(argv)
-        with offline_dist.session():
-            code, text, err = cli(argv)
+        with offline_dist.session() as s:
+            code, text, err = cli(argv, s)
         if w.rank == 0:
             said = without_seconds(text) == without_seconds(text1) if text else text
         else:
@@ -229,10 +229,10 @@ def errors(w: World, argv: list[str], fault: Callable[[], Any]) -> list[dict[str
         with alone():
             code1, _, err1 = cli(argv)
         with offline_dist.session() as s:
-            code, text, err = cli(argv)
+            code, text, err = cli(argv, s)
             api = None
             try:
-                s.agreed(lambda: fsdpcheck.fingerprint_checkpoint(argv[1]), _one_line)
+                s.agreed(lambda: fsdpcheck.fingerprint_checkpoint(argv[1], session=s), _one_line)
             except Exception as exc:
                 api = f"{type(exc).__name__}: {exc}"
     return everyone(
@@ -292,8 +292,8 @@ def ranks_see_different_checkpoints(w: World) -> Any:
     if w.rank == 1:
         comparison.open_source = elsewhere  # type: ignore[assignment]
     try:
-        with offline_dist.session():
-            code, _, err = cli(["compare", str(w.ckpts["clean"]), str(other)])
+        with offline_dist.session() as s:
+            code, _, err = cli(["compare", str(w.ckpts["clean"]), str(other)], s)
     finally:
         comparison.open_source = real
     return everyone([code, err.strip()])
@@ -354,8 +354,8 @@ def bytes_per_rank_and_shares(w: World) -> Any:
             if name not in ("compare_dcp_planted", "fingerprint_dcp", "audit_rotten"):
                 continue
             read["bytes"] = 0
-            with offline_dist.session(), counted() as got:
-                cli(argv)
+            with offline_dist.session() as s, counted() as got:
+                cli(argv, s)
             out["received"][name] = everyone(got)
             out["read"][name] = everyone(read["bytes"])
         with alone():

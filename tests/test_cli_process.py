@@ -375,13 +375,15 @@ def _storage(key: str, **fields: int) -> Callable[[Any], None]:
 
 def _limited(limit: int) -> Callable[[], None]:
     def preexec() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        # RLIMIT_DATA, not RLIMIT_AS: a CUDA build of torch reserves more than 3 GiB of address
+        # space at import without using it; the data limit caps what is allocated.
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
     return preexec
 
 
 def _measured(argv: list[str], cwd: Path) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of the console script, its address space capped at 3 GiB."""
+    """(exit code, stdout, stderr) of the console script, its data segment capped at 3 GiB."""
     out = subprocess.run([str(FSDPCHECK), *argv], cwd=cwd, text=True, capture_output=True,
                          preexec_fn=_limited(3 << 30), timeout=120)  # fmt: skip
     return out.returncode, out.stdout, out.stderr

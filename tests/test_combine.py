@@ -94,12 +94,14 @@ def expected(per_rank: list[list[KeyStats]], seconds: list[float], read: list[in
         ]
         copies = [s.fp for s in rows if s.fp is not None]
         counted = [s.fp for s, o in zip(rows, owner) if o and s.fp is not None]
+        # Every element once: the counted copies' elements and mismatches.
+        c.covered = sum(s.copy_numel for s, o in zip(rows, owner) if o)
+        c.counted_mismatched = sum(s.mismatched for s, o in zip(rows, owner) if o)
         if copies:
             own, g_own = sum(counted) & MASK64, sum(map(C.fmix64, counted)) & MASK64
             every, g_every = sum(copies) & MASK64, sum(map(C.fmix64, copies)) & MASK64
             n = len(copies) // len(counted) if counted else 0
             c.fingerprint = own
-            c.covered = sum(s.copy_numel for s, o in zip(rows, owner) if o)
             c.replicas_disagree = (
                 not counted
                 or len(copies) % len(counted) != 0

@@ -98,11 +98,16 @@ def _factorizations(n: int) -> list[tuple[int, ...]]:
 
 
 @st.composite
-def programs(draw):
-    """Source shapes and a list of ops, each made valid on the shapes it will meet."""
-    nsrc = draw(st.integers(1, 2))
-    shapes = [tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))) for _ in range(nsrc)]
-    sources = {f"s{i}": (s, torch.float32) for i, s in enumerate(shapes)}
+def programs(draw, given_sources=None):
+    """Source shapes (or `given_sources`) and a list of ops, each valid on the shapes it meets."""
+    if given_sources is None:
+        nsrc = draw(st.integers(1, 2))
+        shapes = [
+            tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))) for _ in range(nsrc)
+        ]
+        sources = {f"s{i}": (s, torch.float32) for i, s in enumerate(shapes)}
+    else:
+        sources = dict(given_sources)
     data = codes(sources)
     pool = list(data.values())
     names = list(data)

@@ -88,7 +88,7 @@ def _verify_until_a_rank_dies(rank: int, world: int, port: int, out: str) -> Non
     import torch.distributed as dist
 
     import fsdpcheck
-    from fsdpcheck.collectives import Comm
+    from fsdpcheck.dist.comm import Comm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -120,12 +120,16 @@ def each_rank_reads_its_share_and_receives_o_keys(r: dict, world: int) -> None:
 
 
 def test_bytes_received_per_rank_do_not_grow_with_the_world(spawns: Spawns) -> None:
-    """The same collectives, of the same sizes, at 2 and at 4 processes (7 keys: 1,816 bytes)."""
+    """The same collectives, of the same sizes, at 2 and at 4 processes (7 keys: 1,920 bytes).
+
+    Pinned: each pass agrees on its failures and its plan in one agreement of 4 words (was a word
+    and then 4), and the rows carry the counted copies' mismatches (a word per key).
+    """
     name = "bytes_per_rank_and_shares"
     two = spawns.result(SCENARIOS_MODULE, 2, name)["received"]
     four = spawns.result(SCENARIOS_MODULE, 4, name)["received"]
     assert two == {k: v[:2] for k, v in four.items()}
-    assert two["compare_dcp_planted"][0] == {"bytes": 1816, "calls": 10}
+    assert two["compare_dcp_planted"][0] == {"bytes": 1920, "calls": 9}
 
 
 # -------------------------------------------------------------------------------------------
@@ -315,6 +319,6 @@ def test_one_process_makes_no_process_group(
     assert main(["compare", path, path]) == 0
     assert main(["fingerprint", path]) == 0
     assert main(["audit", path, "--deep"]) == 0
-    assert offline_dist.current() is None and not dist.is_initialized()
+    assert not dist.is_initialized()
     out = capsys.readouterr().out
     assert out.count("fsdpcheck: OK") == 2 and "w  0x" in out

@@ -211,7 +211,9 @@ def test_unreadable_zero3_module_is_one_line() -> None:
         "a (and 1 more parameter(s)): a DeepSpeed ZeRO-3 parameter but "
         f"torch.distributed is not initialized; {INSTEAD}"
     )
-    with pytest.raises(fsdpcheck.FingerprintError, match=r"^\*: a \(and 1 more"):
+    with pytest.raises(
+        fsdpcheck.FingerprintError, match=r"^reading the live state failed: a \(and 1 more"
+    ):
         fsdpcheck.fingerprint(_Zero3Like())
 
 

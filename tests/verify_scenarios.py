@@ -482,7 +482,7 @@ def one_rank_fails(w: World) -> Any:
     vmod = importlib.import_module("fsdpcheck.opening")  # where verify opens the reference
     ckmod = importlib.import_module("fsdpcheck.loading")
 
-    def unreadable(*_: Any) -> Any:
+    def unreadable(*_: Any, **__: Any) -> Any:
         raise OSError("Input/output error (simulated on this rank only)")
 
     with mock.patch.object(vmod, "open_source", unreadable if w.rank == 2 else vmod.open_source):

@@ -8,11 +8,18 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -123,8 +130,21 @@ FSDPCHECK_INLINE void hash_line(const char* v, typename Lanes<W>::u64& keys,
       [&] {
         U32 x;
         pair_elements<W, B, static_cast<int>(G)>(x, v, std::make_index_sequence<W / sizeof(B)>());
-        x ^= (U32)keys;
-        fmix32_lanes(x);
+        // NOTE: [narrow first round] fmix32 starts with x ^= x >> 16, x = key ^ element. An
+        // element of 1 or 2 bytes has no bit at 16 or above, so (key ^ element) >> 16 is
+        // key >> 16 and the first round is key ^ (key >> 16) ^ element: one shift and one
+        // three-way XOR (vpternlogd) instead of XOR, shift, XOR. The same bits (Fingerprint v1).
+        if constexpr (sizeof(B) < 4) {
+          const U32 k = (U32)keys;
+          x ^= k ^ (k >> 16);
+          x *= 0x85EBCA6BU;
+          x ^= x >> 13;
+          x *= 0xC2B2AE35U;
+          x ^= x >> 16;
+        } else {
+          x ^= (U32)keys;
+          fmix32_lanes(x);
+        }
         acc += (U64)x;
         keys += inc;
       }(),
@@ -489,6 +509,107 @@ void process_chunk(const TensorPlan& p, int64_t c, const Options& o, Partial& ou
   });
 }
 
+// NOTE: [worker pool] The chunk workers of a call run on threads of this pool, not on torch's
+// OpenMP pool: libgomp's idle workers spin (GOMP_SPINCOUNT, 300000 pause loops by default) after
+// every parallel region, and on a 2-core machine that spinning took the core the offline
+// commands' reader thread needed: an offline fingerprint of 1.3 GB of bf16 on an AMD EPYC (2
+// cores) spent ~0.1 s more CPU and ran ~30% longer than with OMP_WAIT_POLICY=PASSIVE (2.8-3x
+// `cat` against ~2x, measured side by side). These threads sleep on a condition variable between
+// calls. One call at a time uses the pool; a call that finds it busy (another thread of the
+// process inside a kernel) runs on its own thread. After fork() the child, which has none of
+// the pool's threads, starts its own.
+class WorkerPool {
+ public:
+  // Runs body(i) for i in [0, n): i = 0 on the calling thread, the others on pool threads; waits
+  // for all, then rethrows the first exception any of them raised. n <= 1 or a busy pool: every
+  // i on the calling thread, in order.
+  static void run(int n, const std::function<void(int)>& body) {
+    WorkerPool& pool = instance();
+    std::unique_lock<std::mutex> busy(pool.busy_, std::try_to_lock);
+    if (n <= 1 || !busy.owns_lock()) {
+      for (int i = 0; i < n; ++i) body(i);
+      return;
+    }
+    pool.grow(n - 1);
+    {
+      const std::lock_guard<std::mutex> lk(pool.m_);
+      pool.body_ = &body;
+      pool.wanted_ = n - 1;
+      pool.taken_ = 0;
+      pool.done_ = 0;
+      pool.error_ = nullptr;
+      ++pool.round_;
+    }
+    pool.start_.notify_all();
+    std::exception_ptr mine;
+    try {
+      body(0);
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    std::unique_lock<std::mutex> lk(pool.m_);
+    pool.finished_.wait(lk, [&] { return pool.done_ == pool.wanted_; });
+    pool.body_ = nullptr;
+    if (mine) std::rethrow_exception(mine);
+    if (pool.error_) std::rethrow_exception(pool.error_);
+  }
+
+ private:
+  static WorkerPool& instance() {
+    static std::mutex m;
+    static WorkerPool* current = nullptr;
+    const std::lock_guard<std::mutex> lk(m);
+    // Never destroyed: its threads wait until the process ends, and nothing runs at exit.
+    if (current == nullptr || current->pid_ != getpid()) current = new WorkerPool();
+    return *current;
+  }
+
+  // At least `count` pool threads (called with busy_ held).
+  void grow(int count) {
+    while (static_cast<int>(threads_.size()) < count) {
+      threads_.emplace_back([this] { loop(); });
+      threads_.back().detach();
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* body;
+      int index;
+      {
+        std::unique_lock<std::mutex> lk(m_);
+        start_.wait(lk, [&] { return round_ != seen && taken_ < wanted_; });
+        seen = round_;
+        index = 1 + taken_++;
+        body = body_;
+      }
+      std::exception_ptr error;
+      try {
+        (*body)(index);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      const std::lock_guard<std::mutex> lk(m_);
+      if (error && !error_) error_ = error;
+      if (++done_ == wanted_) finished_.notify_all();
+    }
+  }
+
+  pid_t pid_ = getpid();
+  std::mutex busy_;  // held by the call using the pool
+  std::mutex m_;
+  std::condition_variable start_;
+  std::condition_variable finished_;
+  std::vector<std::thread> threads_;                 // guarded by busy_
+  const std::function<void(int)>* body_ = nullptr;  // guarded by m_
+  uint64_t round_ = 0;                               // guarded by m_
+  int wanted_ = 0;                                   // guarded by m_
+  int taken_ = 0;                                    // guarded by m_
+  int done_ = 0;                                     // guarded by m_
+  std::exception_ptr error_;                         // guarded by m_
+};
+
 // Below this many elements a call runs on the calling thread (thread start-up would dominate).
 constexpr int64_t kMinElementsPerThread = int64_t{1} << 20;
 
@@ -521,14 +642,13 @@ std::vector<Partial> run_plans(const std::vector<TensorPlan>& plans, const Optio
     size_t t = 0;
     for (int64_t c = 0; c < total_chunks; ++c) process(c, t);
   } else {
-    // NOTE: [chunk workers] at::parallel_for runs on torch's intra-op pool (no thread start-up
-    // per call) and rethrows a worker's exception here. Its split is static, so each worker
-    // instead takes the next chunk from a shared counter, in order: a worker slowed down (a
-    // reader thread of the offline commands on the same core) takes fewer chunks instead of
-    // holding the others at the end. Each chunk writes only its own partial and the second
-    // phase combines them in chunk order, so the result does not depend on who took what.
+    // NOTE: [chunk workers] Each worker takes the next chunk from a shared counter, in order
+    // (NOTE: [worker pool]): a worker slowed down (a reader thread of the offline commands on
+    // the same core) takes fewer chunks instead of holding the others at the end. Each chunk
+    // writes only its own partial and the second phase combines them in chunk order, so the
+    // result does not depend on who took what.
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    WorkerPool::run(static_cast<int>(workers), [&](int) {
       FpEnvGuard fp_env;
       size_t t = 0;
       for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total_chunks;

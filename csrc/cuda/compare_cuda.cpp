@@ -31,11 +31,17 @@ Outputs run(const char* op, at::TensorList actual, const at::TensorList* expecte
   TORCH_CHECK_VALUE(device.is_cuda(), "fsdpcheck.", op, ": the CUDA implementation got tensors on ",
                     device);
   const std::vector<TensorPlan> plans = make_plans(op, actual, expected, box_shapes, box_offsets);
-  const std::vector<int64_t> meta = plan_launch(op, plans);
+  const c10::cuda::OptionalCUDAGuard guard(device);
+  // NOTE: [launches]: one grid fills the device once (every block resident), and each block
+  // takes a contiguous run of chunks.
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()));
+  const LaunchPlan launch = plan_launch(op, plans, int64_t{sms} * kVectorBlocksPerSM,
+                                        int64_t{sms} * kGeneralBlocksPerSM);
+  const std::vector<int64_t>& meta = launch.meta;
   const int64_t n = static_cast<int64_t>(plans.size());
   const int64_t total_chunks = meta[n];
 
-  const c10::cuda::OptionalCUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor host = at::empty({static_cast<int64_t>(meta.size())}, long_opts.pinned_memory(true));
@@ -60,6 +66,8 @@ Outputs run(const char* op, at::TensorList actual, const at::TensorList* expecte
   args.partials = reinterpret_cast<Partial*>(partials.mutable_data_ptr<int64_t>());
   args.rows = want_rows ? reinterpret_cast<Partial*>(out.rows.mutable_data_ptr<int64_t>()) : nullptr;
   args.fingerprints = want_rows ? nullptr : out.fingerprints.mutable_data_ptr<int64_t>();
+  args.launches = launch.launches.data();
+  args.n_launches = static_cast<int>(launch.launches.size());
   launch_compare(args, stream);
   return out;
 }
@@ -74,7 +82,8 @@ at::Tensor compare_cuda(at::TensorList actual, at::TensorList expected,
 
 at::Tensor fingerprint_cuda(at::TensorList tensors, at::IntArrayRef box_shapes,
                             at::IntArrayRef box_offsets) {
-  const Options o{CompareParams{0.0, 0.0, true}, /*fingerprints=*/true, /*stats=*/false};
+  const Options o{CompareParams{0.0, 0.0, true}, /*fingerprints=*/true, /*stats=*/false,
+                  /*counts=*/false};
   return run("fingerprint", tensors, nullptr, box_shapes, box_offsets, o, /*want_rows=*/false)
       .fingerprints;
 }

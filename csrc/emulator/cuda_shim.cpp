@@ -23,6 +23,8 @@ struct Barrier {
   std::mutex m;
   std::condition_variable cv;
   int arrived = 0;          // guarded by m
+  int vote = 0;             // guarded by m: the OR of the predicates of this round's arrivals
+  int result = 0;           // guarded by m: the OR of the last completed round
   uint64_t generation = 0;  // guarded by m: completed rounds
 };
 
@@ -88,20 +90,25 @@ void fail(Block& b, const std::string& what) {
 // Under bar.m: the round is complete; `waiters` threads wait in it.
 void complete(Block& b, Barrier& bar, int waiters) {
   bar.arrived = 0;
+  bar.result = bar.vote;
+  bar.vote = 0;
   ++bar.generation;
   b.blocked.fetch_sub(waiters, std::memory_order_relaxed);
   b.progress.fetch_add(1, std::memory_order_relaxed);
   bar.cv.notify_all();
 }
 
-// __syncthreads: arrives at the block's barrier and waits for every thread that has not returned.
-void block_arrive_and_wait(Block& b) {
+// __syncthreads(_or): arrives at the block's barrier and waits for every thread that has not
+// returned; returns whether any of them arrived with a non-zero predicate. A round cannot
+// complete again before every waiter of this one has read its result (they must arrive first).
+int block_arrive_and_wait(Block& b, int predicate) {
   Barrier& bar = b.sync;
   std::unique_lock<std::mutex> lk(bar.m);
   if (b.aborted.load(std::memory_order_relaxed)) throw Aborted{};
+  bar.vote |= predicate != 0 ? 1 : 0;
   if (++bar.arrived >= b.live) {
     complete(b, bar, bar.arrived - 1);
-    return;
+    return bar.result;
   }
   b.blocked.fetch_add(1, std::memory_order_relaxed);
   const uint64_t round = bar.generation;
@@ -109,6 +116,7 @@ void block_arrive_and_wait(Block& b) {
     return bar.generation != round || b.aborted.load(std::memory_order_relaxed);
   });
   if (bar.generation == round) throw Aborted{};
+  return bar.result;
 }
 
 // Arrives at the barrier of the calling thread's warp and waits for the other 31 lanes.
@@ -298,6 +306,7 @@ void Device::run_block(unsigned b, const std::function<void()>& body) {
   blk.index = b;
   blk.live = static_cast<int>(d.threads);
   blk.sync.arrived = 0;
+  blk.sync.vote = 0;
   for (Warp& w : blk.warps) {
     w.live.store(kWarpSize);
     w.barrier.arrived.store(0);
@@ -334,5 +343,9 @@ void Device::run_block(unsigned b, const std::function<void()>& body) {
 }  // namespace fsdpcheck::emu
 
 void __syncthreads() {
-  fsdpcheck::emu::block_arrive_and_wait(*fsdpcheck::emu::t_block);
+  fsdpcheck::emu::block_arrive_and_wait(*fsdpcheck::emu::t_block, 0);
+}
+
+int __syncthreads_or(int predicate) {
+  return fsdpcheck::emu::block_arrive_and_wait(*fsdpcheck::emu::t_block, predicate);
 }

@@ -80,6 +80,8 @@ inline thread_local fsdpcheck::emu::Uint3 threadIdx;
 inline thread_local fsdpcheck::emu::Uint3 blockIdx;
 
 void __syncthreads();
+// __syncthreads, and whether `predicate` was non-zero in any thread of the block.
+int __syncthreads_or(int predicate);
 
 template <typename T>
 T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
@@ -99,4 +101,6 @@ T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   static const ::fsdpcheck::emu::SharedSlot name##_slot(sizeof(T), alignof(T));       \
   std::type_identity_t<T>& name = name##_slot.get<std::type_identity_t<T>>()
 #define FSDPCHECK_UNROLL
+#define FSDPCHECK_LOAD_VEC(words, ptr) std::memcpy((words), (ptr), 16)
+#define FSDPCHECK_NO_UNROLL
 #define FSDPCHECK_LAUNCH(kernel, grid, block, stream, ...) (stream)->launch(kernel, grid, block, __VA_ARGS__)

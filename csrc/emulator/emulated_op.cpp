@@ -23,7 +23,10 @@ at::Tensor emulated_cpu(at::TensorList actual, at::TensorList expected,
   check_tolerances(rtol, atol);
   const std::vector<TensorPlan> plans =
       make_plans("_emulated", actual, single ? nullptr : &expected, box_shapes, box_offsets);
-  const std::vector<int64_t> meta = plan_launch("_emulated", plans);
+  // NOTE: [emulated grids] Grids of at most 2 blocks: every launch of more than 2 chunks has
+  // blocks that take several chunks, of one tensor or across tensors.
+  const LaunchPlan launch = plan_launch("_emulated", plans, 2, 2);
+  const std::vector<int64_t>& meta = launch.meta;
   const int64_t n = static_cast<int64_t>(plans.size());
   std::vector<Partial> partials(static_cast<size_t>(std::max<int64_t>(meta[n], 1)));
   std::vector<int64_t> fps(plans.size(), 0);
@@ -32,13 +35,17 @@ at::Tensor emulated_cpu(at::TensorList actual, at::TensorList expected,
   args.meta = meta.data();
   args.n = static_cast<int>(n);
   args.total_chunks = meta[n];
-  args.options = Options{CompareParams{rtol, atol, equal_nan}, fingerprints, stats};
+  // Single-tensor mode is what fsdpcheck::fingerprint launches: the fingerprint alone.
+  args.options = single ? Options{CompareParams{0.0, 0.0, true}, true, false, false}
+                        : Options{CompareParams{rtol, atol, equal_nan}, fingerprints, stats};
   args.has_expected = !single;
   args.partials = partials.data();
   args.rows = reinterpret_cast<Partial*>(rows.mutable_data_ptr<int64_t>());
   // Single-tensor mode is the path of fsdpcheck::fingerprint, whose output is the fingerprints
   // alone: both outputs are written here, and must agree.
   args.fingerprints = single ? fps.data() : nullptr;
+  args.launches = launch.launches.data();
+  args.n_launches = static_cast<int>(launch.launches.size());
   try {
     emulate_compare(args);
   } catch (const std::exception& e) {

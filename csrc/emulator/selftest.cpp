@@ -49,6 +49,26 @@ Pair make_pair(int64_t elements, int size, size_t shift, std::mt19937_64& rng) {
   return p;
 }
 
+// A pair of `elements` finite values (no NaN or infinity, so that most 16-byte vectors take the
+// kernels' bit-equal fast path), equal but for a few elements: a different value, a NaN on one
+// side, -0.0 against 0.0 (size 2: bfloat16 bits; size 8: float64 bits).
+Pair make_clean_pair(int64_t elements, int size, std::mt19937_64& rng) {
+  Pair p = make_pair(elements, size, 0, rng);
+  char* a = const_cast<char*>(p.a);
+  char* e = const_cast<char*>(p.e);
+  const int top = size - 1;  // the byte holding the sign and the high exponent bits
+  for (int64_t i = 0; i < elements; ++i) a[i * size + top] &= 0x3F;  // exponent well below all ones
+  std::memcpy(e, a, static_cast<size_t>(elements * size));
+  const int64_t at[] = {3, elements / 2, elements - 1};
+  e[at[0] * size] ^= 1;  // a different value
+  e[at[1] * size + top] |= 0x7F;  // NaN (bfloat16) or a huge value (float64)
+  e[at[1] * size + top - 1] |= static_cast<char>(0xF0);
+  std::memset(a + at[2] * size, 0, static_cast<size_t>(size));  // 0.0 against -0.0
+  std::memset(e + at[2] * size, 0, static_cast<size_t>(size));
+  e[at[2] * size + top] = static_cast<char>(0x80);
+  return p;
+}
+
 TensorPlan plan_of(const char* a, const char* e, DType da, DType de, std::vector<int64_t> size,
                    std::vector<int64_t> stride_a, std::vector<int64_t> stride_e,
                    std::vector<int64_t> gstride, int64_t gbase) {
@@ -89,10 +109,51 @@ bool same_sum(double x, double y) {
   return std::fabs(x - y) <= 1e-9 * std::fmax(std::fabs(x), std::fabs(y)) + 1e-300;
 }
 
-// The emulated rows of one launch against the scalar path; false (and a message) on a difference.
+// The emulated rows of one call, with grids of at most `blocks` blocks.
+std::vector<Partial> emulated_rows(const std::vector<TensorPlan>& plans, const Options& o,
+                                   int64_t blocks) {
+  const cuda::LaunchPlan launch = cuda::plan_launches(plans, blocks, blocks);
+  const int64_t n = static_cast<int64_t>(plans.size());
+  std::vector<Partial> partials(static_cast<size_t>(std::max<int64_t>(launch.meta[n], 1)));
+  std::vector<Partial> rows(plans.size());
+  cuda::LaunchArgs args;
+  args.meta = launch.meta.data();
+  args.n = static_cast<int>(n);
+  args.total_chunks = launch.meta[n];
+  args.options = o;
+  args.has_expected = true;
+  args.partials = partials.data();
+  args.rows = rows.data();
+  args.fingerprints = nullptr;
+  args.launches = launch.launches.data();
+  args.n_launches = static_cast<int>(launch.launches.size());
+  cuda::emulate_compare(args);
+  return rows;
+}
+
+// NOTE: [launches]: every word of every row, float sums included, is the same whatever the grids.
+bool check_grids_agree(const std::vector<TensorPlan>& plans, const Options& o) {
+  const std::vector<Partial> one = emulated_rows(plans, o, 1);
+  for (const int64_t blocks : {2, 5}) {
+    const std::vector<Partial> other = emulated_rows(plans, o, blocks);
+    if (std::memcmp(one.data(), other.data(), one.size() * sizeof(Partial)) != 0) {
+      std::fprintf(stderr, "emulator self-test: rows with grids of 1 and %lld blocks differ\n",
+                   static_cast<long long>(blocks));
+      return false;
+    }
+  }
+  std::printf("emulator self-test: rows bit-identical (sums included) with grids of 1, 2, 5 "
+              "blocks\n");
+  return true;
+}
+
+// The emulated rows of one call against the scalar path, with grids of at most `blocks` blocks;
+// false (and a message) on a difference. Single-tensor mode is the fingerprint alone: only the
+// fingerprints are compared.
 bool check_launch(const char* what, const std::vector<TensorPlan>& plans, const Options& o,
-                  bool single) {
-  const std::vector<int64_t> meta = cuda::pack_metadata(plans);
+                  bool single, int64_t blocks) {
+  const cuda::LaunchPlan launch = cuda::plan_launches(plans, blocks, blocks);
+  const std::vector<int64_t>& meta = launch.meta;
   const int64_t n = static_cast<int64_t>(plans.size());
   std::vector<Partial> partials(static_cast<size_t>(std::max<int64_t>(meta[n], 1)));
   std::vector<Partial> rows(plans.size());
@@ -106,6 +167,8 @@ bool check_launch(const char* what, const std::vector<TensorPlan>& plans, const 
   args.partials = partials.data();
   args.rows = rows.data();
   args.fingerprints = single ? fingerprints.data() : nullptr;
+  args.launches = launch.launches.data();
+  args.n_launches = static_cast<int>(launch.launches.size());
   cuda::emulate_compare(args);
 
   std::vector<TensorPlan> scalar_plans = plans;
@@ -116,13 +179,14 @@ bool check_launch(const char* what, const std::vector<TensorPlan>& plans, const 
   for (size_t t = 0; t < plans.size(); ++t) {
     const Partial& x = rows[t];
     const Partial& y = want[t];
-    const bool exact =
+    const bool exact = single ? x.fp_a == y.fp_a :
         x.mismatched == y.mismatched && x.nan_a == y.nan_a && x.nan_e == y.nan_e &&
         x.inf_a == y.inf_a && x.inf_e == y.inf_e && x.zeros == y.zeros && x.fp_a == y.fp_a &&
         x.fp_e == y.fp_e && x.max_abs_idx == y.max_abs_idx && x.max_rel_idx == y.max_rel_idx &&
         std::memcmp(&x.max_abs, &y.max_abs, 8) == 0 && std::memcmp(&x.max_rel, &y.max_rel, 8) == 0;
     const bool fp_out = !single || static_cast<uint64_t>(fingerprints[t]) == x.fp_a;
-    if (!exact || !fp_out || !same_sum(x.sum, y.sum) || !same_sum(x.sumsq, y.sumsq)) {
+    const bool sums = single || (same_sum(x.sum, y.sum) && same_sum(x.sumsq, y.sumsq));
+    if (!exact || !fp_out || !sums) {
       std::fprintf(stderr,
                    "emulator self-test: %s, tensor %zu: emulated rows differ from the scalar "
                    "path (mismatched %lld vs %lld, fingerprint %llx vs %llx, max_abs_index %lld "
@@ -134,14 +198,61 @@ bool check_launch(const char* what, const std::vector<TensorPlan>& plans, const 
       return false;
     }
   }
-  std::printf("emulator self-test: %s: %zu tensors, %lld chunks, rows equal to the scalar path\n",
-              what, plans.size(), static_cast<long long>(meta[n]));
+  std::printf("emulator self-test: %s: %zu tensors, %lld chunks, %zu launches of at most %lld "
+              "blocks, rows equal to the scalar path\n",
+              what, plans.size(), static_cast<long long>(meta[n]), launch.launches.size(),
+              static_cast<long long>(blocks));
+  return true;
+}
+
+// NOTE: [special words] (elementwise.h): the word test equals is_nan || is_inf on every pattern
+// of the 1- and 2-byte dtypes (each lane position of a word, the other lanes finite), and on
+// float32 and float64 around their exponent fields.
+template <DType D>
+bool check_special_words() {
+  using T = Traits<D>;
+  using B = typename T::Bits;
+  constexpr int kBits = 8 * sizeof(B);
+  auto bad = [](uint64_t bits, bool got) {
+    std::fprintf(stderr, "emulator self-test: special_word disagrees with is_nan/is_inf on dtype "
+                 "%d, bits %llx (%d)\n", static_cast<int>(D), static_cast<unsigned long long>(bits),
+                 got);
+    return false;
+  };
+  if constexpr (kBits <= 16) {
+    for (uint32_t b = 0; b < (1u << kBits); ++b) {
+      const bool want = T::is_nan(static_cast<B>(b)) || T::is_inf(static_cast<B>(b));
+      for (int lane = 0; lane < 32 / kBits; ++lane) {
+        const uint32_t w = b << (lane * kBits);  // the other lanes zero (finite)
+        if ((special_word<D>(w) != 0) != want) return bad(b, !want);
+      }
+    }
+  } else {
+    std::mt19937_64 rng(11);
+    for (int i = 0; i < (1 << 20); ++i) {
+      uint64_t bits = rng();
+      if (i % 2 == 0) bits |= kBits == 32 ? 0x7F800000ULL : 0x7FF0000000000000ULL;  // near specials
+      const B b = static_cast<B>(bits);
+      const bool want = T::is_nan(b) || T::is_inf(b);
+      const uint32_t high = static_cast<uint32_t>(static_cast<uint64_t>(b) >> (kBits - 32));
+      if ((special_word<D>(high) != 0) != want) return bad(b, !want);
+    }
+  }
   return true;
 }
 
 }  // namespace
 
 int run() {
+  const bool words = check_special_words<DType::kBFloat16>() &&
+                     check_special_words<DType::kFloat16>() &&
+                     check_special_words<DType::kFloat8E4M3FN>() &&
+                     check_special_words<DType::kFloat8E5M2>() &&
+                     check_special_words<DType::kFloat32>() &&
+                     check_special_words<DType::kFloat64>() && check_special_words<DType::kInt8>() &&
+                     check_special_words<DType::kInt16>() && check_special_words<DType::kBool>();
+  if (!words) return 1;
+  std::printf("emulator self-test: the special-value word test agrees with is_nan/is_inf\n");
   std::mt19937_64 rng(7);
   const int64_t big = kChunk + 37;  // two chunks; the vectorised path, then a tail
   const Pair f32 = make_pair(big, 4, 0, rng);
@@ -162,13 +273,39 @@ int run() {
       plan_of(u8.a, u8.e, DType::kUInt8, DType::kUInt8, {0}, {1}, {1}, {1}, 0),
       plan_of(u8.a, u8.e, DType::kUInt8, DType::kUInt8, {33}, {1}, {1}, {1}, 0),
   };
-  bool ok = check_launch("compare", plans, Options{CompareParams{1e-3, 0.0, true}, true, true},
-                         false);
+  // Mostly bit-equal data: the vector kernels' fast path, several chunks and tensors per launch
+  // (bfloat16: 3 chunks and a tail, then 2 more tensors; float64: one chunk, global stride 2).
+  const int64_t clean_n = 3 * kChunk + 5;
+  const Pair clean = make_clean_pair(clean_n, 2, rng);
+  const Pair clean_small = make_clean_pair(4100, 2, rng);
+  const Pair clean64 = make_clean_pair(9000, 8, rng);
+  plans.push_back(plan_of(clean.a, clean.e, DType::kBFloat16, DType::kBFloat16, {clean_n}, {1},
+                          {1}, {1}, 3));
+  plans.push_back(plan_of(clean_small.a, clean_small.e, DType::kBFloat16, DType::kBFloat16, {4100},
+                          {1}, {1}, {1}, 0));
+  plans.push_back(plan_of(clean.a, clean.e, DType::kBFloat16, DType::kBFloat16, {kChunk}, {1},
+                          {1}, {1}, kChunk));
+  plans.push_back(plan_of(clean64.a, clean64.e, DType::kFloat64, DType::kFloat64, {9000}, {1},
+                          {1}, {2}, 1));
+  bool ok = true;
+  // The same rows whatever the grids (NOTE: [launches]): one block for everything, two, seven.
+  for (const int64_t blocks : {1, 2, 7}) {
+    ok = ok && check_launch("compare", plans, Options{CompareParams{1e-3, 0.0, true}, true, true},
+                            false, blocks);
+  }
+  ok = ok && check_grids_agree(plans, Options{CompareParams{1e-3, 0.0, true}, true, true});
   ok = ok && check_launch("compare without fingerprints",
-                          {plans[0], plans[4]},
-                          Options{CompareParams{0.3, 0.1, false}, false, false}, false);
-  ok = ok && check_launch("fingerprint", plans,
-                          Options{CompareParams{0.0, 0.0, true}, true, false}, true);
+                          {plans[0], plans[4], plans[8], plans[11]},
+                          Options{CompareParams{0.3, 0.1, false}, false, false}, false, 2);
+  ok = ok && check_launch("compare, fingerprints without statistics", plans,
+                          Options{CompareParams{0.0, 0.0, false}, true, false}, false, 3);
+  ok = ok && check_launch("compare, statistics without fingerprints", plans,
+                          Options{CompareParams{0.0, 0.0, true}, false, true}, false, 3);
+  for (const int64_t blocks : {1, 3}) {
+    ok = ok && check_launch("fingerprint", plans,
+                            Options{CompareParams{0.0, 0.0, true}, true, false, false}, true,
+                            blocks);
+  }
   return ok ? 0 : 1;
 }
 

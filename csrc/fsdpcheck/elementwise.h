@@ -210,6 +210,49 @@ struct Traits<DType::kFloat8E4M3FN> {
 };
 #undef FSDPCHECK_FLOAT_CLASSIFY
 
+// NOTE: [special words] An element is NaN or infinite exactly when its exponent bits are all
+// ones (E4M3FN: when its low 7 bits are; it has no infinity; integers never are). With x the
+// exponent field of a lane (masked, in place), x + (that field's lowest bit) reaches the lane's
+// top bit exactly when x is all ones, and cannot carry into the next lane (x + lowest <= top
+// bit). So for a 32-bit word w of packed elements, special_word<D>(w) = ((w & kMask) + kAdd) &
+// kTop is non-zero iff one of its elements is NaN or infinite (8-byte elements: their high
+// word). The CUDA vector kernel tests 16 bytes at a time with it; the emulator's self-test holds
+// it equal to is_nan || is_inf on every 1- and 2-byte pattern.
+template <DType D>
+struct SpecialWords {
+  static constexpr uint32_t kMask = 0, kAdd = 0, kTop = 0;
+};
+template <>
+struct SpecialWords<DType::kFloat64> {
+  static constexpr uint32_t kMask = 0x7FF00000u, kAdd = 0x00100000u, kTop = 0x80000000u;
+};
+template <>
+struct SpecialWords<DType::kFloat32> {
+  static constexpr uint32_t kMask = 0x7F800000u, kAdd = 0x00800000u, kTop = 0x80000000u;
+};
+template <>
+struct SpecialWords<DType::kBFloat16> {
+  static constexpr uint32_t kMask = 0x7F807F80u, kAdd = 0x00800080u, kTop = 0x80008000u;
+};
+template <>
+struct SpecialWords<DType::kFloat16> {
+  static constexpr uint32_t kMask = 0x7C007C00u, kAdd = 0x04000400u, kTop = 0x80008000u;
+};
+template <>
+struct SpecialWords<DType::kFloat8E5M2> {
+  static constexpr uint32_t kMask = 0x7C7C7C7Cu, kAdd = 0x04040404u, kTop = 0x80808080u;
+};
+template <>
+struct SpecialWords<DType::kFloat8E4M3FN> {
+  static constexpr uint32_t kMask = 0x7F7F7F7Fu, kAdd = 0x01010101u, kTop = 0x80808080u;
+};
+
+template <DType D>
+FSDPCHECK_HD uint32_t special_word(uint32_t w) {
+  using S = SpecialWords<D>;
+  return ((w & S::kMask) + S::kAdd) & S::kTop;
+}
+
 FSDPCHECK_HD int dtype_size(DType d) {
   switch (d) {
     case DType::kFloat64:
@@ -463,8 +506,58 @@ FSDPCHECK_HD void partial_combine(Partial& x, const Partial& y) {
   x.sumsq += y.sumsq;
 }
 
+// NOTE: [tally] A thread's running result before it is folded into a chunk's Partial: the same
+// fields with 32-bit counters (a thread sees at most kChunk elements of a chunk, so they cannot
+// overflow), which the per-element functions below accept as well as a Partial (they are
+// templates on the accumulator). The CUDA kernels keep one per thread for the elements that
+// leave their bit-equal fast path.
+struct Tally {
+  uint64_t fp_a;
+  uint64_t fp_e;
+  double max_abs;
+  int64_t max_abs_idx;
+  double max_rel;
+  int64_t max_rel_idx;
+  double sum;
+  double sumsq;
+  uint32_t mismatched;
+  uint32_t nan_a;
+  uint32_t nan_e;
+  uint32_t inf_a;
+  uint32_t inf_e;
+  uint32_t zeros;
+};
+
+FSDPCHECK_HD void tally_init(Tally& t) {
+  t.mismatched = t.nan_a = t.nan_e = t.inf_a = t.inf_e = t.zeros = 0;
+  t.fp_a = t.fp_e = 0;
+  t.max_abs = -1.0;
+  t.max_abs_idx = -1;
+  t.max_rel = -1.0;
+  t.max_rel_idx = -1;
+  t.sum = 0.0;
+  t.sumsq = 0.0;
+}
+
+// x gains a thread's tally: its 32-bit counters are widened into the 64-bit totals.
+FSDPCHECK_HD void partial_add(Partial& x, const Tally& y) {
+  x.mismatched += y.mismatched;
+  x.nan_a += y.nan_a;
+  x.nan_e += y.nan_e;
+  x.inf_a += y.inf_a;
+  x.inf_e += y.inf_e;
+  x.zeros += y.zeros;
+  x.fp_a += y.fp_a;
+  x.fp_e += y.fp_e;
+  take_max(x.max_abs, x.max_abs_idx, y.max_abs, y.max_abs_idx);
+  take_max(x.max_rel, x.max_rel_idx, y.max_rel, y.max_rel_idx);
+  x.sum += y.sum;
+  x.sumsq += y.sumsq;
+}
+
 // The statistics of `actual` (zeros, sum, sum of squares) gain one element of value f.
-FSDPCHECK_HD void accumulate_stats(Partial& acc, double f) {
+template <typename Acc>
+FSDPCHECK_HD void accumulate_stats(Acc& acc, double f) {
   acc.zeros += f == 0.0;
   acc.sum = add_rn(acc.sum, f);
   acc.sumsq = add_rn(acc.sumsq, mul_rn(f, f));
@@ -480,7 +573,8 @@ struct Options {
 // The whole treatment of one element pair at global index g (key = hash_key(g)). This is the
 // reference path: the CUDA kernels call it for every element, the CPU uses it for blocks whose
 // bits differ and for mixed dtypes.
-FSDPCHECK_HD void accumulate_pair(Partial& acc, const Value& a, const Value& e, uint64_t bits_a,
+template <typename Acc>
+FSDPCHECK_HD void accumulate_pair(Acc& acc, const Value& a, const Value& e, uint64_t bits_a,
                                   int size_a, uint64_t bits_e, int size_e, int64_t g, uint64_t key,
                                   const Options& o) {
   if (o.fingerprints) {
@@ -500,12 +594,15 @@ FSDPCHECK_HD void accumulate_pair(Partial& acc, const Value& a, const Value& e, 
   }
 }
 
-// One side only (fingerprint and statistics of a single tensor).
-FSDPCHECK_HD void accumulate_single(Partial& acc, const Value& a, uint64_t bits_a, int size_a,
+// One side only (fingerprint, and counts and statistics when asked, of a single tensor).
+template <typename Acc>
+FSDPCHECK_HD void accumulate_single(Acc& acc, const Value& a, uint64_t bits_a, int size_a,
                                     uint64_t key, const Options& o) {
   if (o.fingerprints) acc.fp_a += hash_bits(key, bits_a, size_a);
-  acc.nan_a += a.nan;
-  acc.inf_a += a.inf;
+  if (o.counts) {
+    acc.nan_a += a.nan;
+    acc.inf_a += a.inf;
+  }
   if (o.stats) accumulate_stats(acc, a.f);
 }
 
@@ -612,8 +709,8 @@ FSDPCHECK_HD Location locate_in_chunk(const TensorPlan& p, const ChunkStart& c, 
 
 // A pair whose raw bits are equal: the same result as accumulate_pair, cheaper. One hash serves
 // both sides; only NaN (with equal_nan off) can mismatch; the difference is 0 unless NaN.
-template <DType D>
-FSDPCHECK_HD void accumulate_equal(Partial& acc, typename Traits<D>::Bits b, int64_t g,
+template <DType D, typename Acc>
+FSDPCHECK_HD void accumulate_equal(Acc& acc, typename Traits<D>::Bits b, int64_t g,
                                    uint64_t key, const Options& o) {
   using T = Traits<D>;
   if (o.fingerprints) {
@@ -637,8 +734,8 @@ FSDPCHECK_HD void accumulate_equal(Partial& acc, typename Traits<D>::Bits b, int
 
 // One element of a same-dtype input (pair, or single when !kHasE): the per-element path of the
 // CUDA kernels and of the CPU scalar reference.
-template <DType D, bool kHasE>
-FSDPCHECK_HD void accumulate_element(Partial& acc, typename Traits<D>::Bits ba,
+template <DType D, bool kHasE, typename Acc>
+FSDPCHECK_HD void accumulate_element(Acc& acc, typename Traits<D>::Bits ba,
                                      typename Traits<D>::Bits be, int64_t g, uint64_t key,
                                      const Options& o) {
   constexpr int kSize = sizeof(ba);

@@ -183,7 +183,8 @@ void check_tolerances(double rtol, double atol) {
                     "non-negative numbers, got rtol=", rtol, ", atol=", atol);
 }
 
-std::vector<int64_t> plan_launch(const char* op, const std::vector<TensorPlan>& plans) {
+cuda::LaunchPlan plan_launch(const char* op, const std::vector<TensorPlan>& plans,
+                             int64_t vector_blocks, int64_t general_blocks) {
   for (size_t i = 0; i < plans.size(); ++i) {
     const TensorPlan& p = plans[i];
     if (p.numel == 0) continue;
@@ -200,11 +201,11 @@ std::vector<int64_t> plan_launch(const char* op, const std::vector<TensorPlan>& 
                         "(tensor.clone())");
     }
   }
-  std::vector<int64_t> meta = cuda::pack_metadata(plans);
-  const int64_t total_chunks = meta[plans.size()];
+  cuda::LaunchPlan out = cuda::plan_launches(plans, vector_blocks, general_blocks);
+  const int64_t total_chunks = out.meta[plans.size()];
   TORCH_CHECK_VALUE(total_chunks <= std::numeric_limits<int32_t>::max(), "fsdpcheck.", op,
                     ": ", total_chunks, " chunks exceed one launch; split the call");
-  return meta;
+  return out;
 }
 
 namespace {

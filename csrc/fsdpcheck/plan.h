@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/launch.h"
 #include "fsdpcheck/elementwise.h"
 
 namespace fsdpcheck {
@@ -23,13 +24,14 @@ std::vector<TensorPlan> make_plans(const char* op, c10::ArrayRef<at::Tensor> act
 // Raises ValueError unless rtol and atol are non-negative numbers.
 void check_tolerances(double rtol, double atol);
 
-// The metadata buffer of one launch of the CUDA kernels (NOTE: [device metadata] in
-// cuda/launch.h; its word plans.size() is the number of chunks), after the checks that launch
-// needs: every non-empty input starts at a multiple of its element size (else ValueError naming
+// The metadata buffer and launches of one call of the CUDA kernels (NOTE: [device metadata] and
+// NOTE: [launches] in cuda/launch.h; its word plans.size() is the number of chunks), with grids
+// of at most vector_blocks / general_blocks blocks, after the checks that call needs: every non-empty input starts at a multiple of its element size (else ValueError naming
 // it: the kernels read whole elements, and a misaligned one faults and takes the CUDA context down
 // with it; torch's allocators never hand out such memory, but a view of a byte buffer, from
 // DLPack or torch.frombuffer, can start anywhere), and the chunks fit one grid.
-std::vector<int64_t> plan_launch(const char* op, const std::vector<TensorPlan>& plans);
+cuda::LaunchPlan plan_launch(const char* op, const std::vector<TensorPlan>& plans,
+                             int64_t vector_blocks, int64_t general_blocks);
 
 // The common device of all inputs; raises naming the first tensor that differs.
 c10::Device common_device(const char* op, c10::ArrayRef<at::Tensor> actual,

@@ -11,7 +11,10 @@ A conversion maps the ACTUAL side's layout (for ``verify``: what the live model'
 (c) a spec (``fsdpcheck.convert.spec``): renames per key pattern plus ops, JSON-able, for
     converters that are not Python; a path to its JSON file; or ``"module:attr"`` naming any
     of these;
-(d) a compiled ``Conversion`` (what the others compile to; ``Conversion.to_spec`` is JSON).
+(d) a compiled ``Conversion`` (what the others compile to; ``Conversion.to_spec`` is JSON);
+(e) what a model declares (``declared.Declared``: its own state-dict hooks, its library's save
+    layouts), compiled into the declared layout whose names the other side holds, and
+    ``declared.Chain(first, second)``: two of these in a row.
 
 Compiling runs ``F`` once on shape-only tracing tensors of the sources' global shapes
 (``trace``), never on data: every target tensor becomes a few pieces (``pieces``), a box of it
@@ -23,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -30,14 +34,22 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.convert.conversion import Conversion, Target, compiled
+from fsdpcheck.convert.conversion import Conversion, Target, compiled, composed
+from fsdpcheck.convert.declared import Chain, Declared
 from fsdpcheck.convert.pieces import Piece
 from fsdpcheck.convert.spec import permute_heads, spec_function
 from fsdpcheck.convert.trace import ConversionError, trace
 
 Shape = tuple[int, ...]
 
+# NOTE: [rotary caches] Checkpoints of several formats hold the RoPE frequencies their model
+# recomputes (Meta's ``rope.freqs``, HF's ``rotary_emb.inv_freq``, torchtitan's ``freqs_cis``
+# and ``rope.cache``), and converters leave them out on purpose (torchtune's ``meta_to_tune``,
+# torchtitan's adapters). Left out whole, such a tensor is listed as dropped, not unexpected.
+_ROTARY = re.compile(r"(^|\.)(rope\.freqs|freqs_cis|inv_freq|rope\.cache)$")
+
 __all__ = [
+    "Chain",
     "Conversion",
     "ConversionError",
     "Piece",
@@ -45,6 +57,7 @@ __all__ = [
     "compile_conversion",
     "describe_conversion",
     "permute_heads",
+    "resolve_declared",
 ]
 
 
@@ -52,11 +65,18 @@ def describe_conversion(convert: Any) -> str:
     """A conversion in words: the function's qualified name, the file, or the spec."""
     if isinstance(convert, Conversion):
         return convert.description
+    if isinstance(convert, Chain):
+        return f"{describe_conversion(convert.first)}, then {describe_conversion(convert.second)}"
+    if isinstance(convert, Declared):
+        return f"the layouts {convert.description} declares"
     if isinstance(convert, (str, os.PathLike)):
         return os.fspath(convert)
     if isinstance(convert, Mapping):
         return str(convert.get("description", "a conversion spec"))
     fn = getattr(convert, "func", convert)  # functools.partial
+    description = getattr(fn, "description", None)
+    if isinstance(description, str):
+        return description
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if module else str(name)
@@ -85,16 +105,72 @@ def compile_conversion(
     Raises:
         ConversionError: The conversion is not a strided map, raised, or is stated wrongly.
     """
-    srcs = {
-        str(k): (tuple(int(s) for s in shape), _dtype(dt)) for k, (shape, dt) in sources.items()
-    }
+    srcs = _sources(sources)
     conv = _compile(convert, srcs, other_names)
     for name, why in (purpose or {}).items():
         if name in conv.sources:
             conv.dropped.setdefault(name, why)
+    for name in conv.sources:
+        if _ROTARY.search(name):
+            conv.dropped.setdefault(name, "a rotary cache, recomputed from the config on load")
     used = {p.source for t in conv.targets.values() for p in t.pieces}
     conv.dropped = {k: v for k, v in conv.dropped.items() if k not in used}
     return conv
+
+
+def resolve_declared(
+    convert: Any,
+    sources: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+    other_names: Collection[str] | None = None,
+) -> Any:
+    """A model's declared layouts (``declared.Declared``) resolved into the one to use.
+
+    The layout whose names `other_names` holds most of (ties, and no other side: the state
+    dict's); None when that is the live layout itself (nothing to convert). Anything else
+    ``convert=`` accepts is returned as it is.
+    """
+    if not isinstance(convert, Declared):
+        return convert
+    return _chosen(convert, _sources(sources), other_names)[0]
+
+
+def _unchanged(sd: dict[str, Any]) -> dict[str, Any]:
+    """No conversion: every tensor as it is."""
+    return dict(sd)
+
+
+def _sources(
+    sources: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+) -> dict[str, tuple[Shape, torch.dtype]]:
+    return {
+        str(k): (tuple(int(s) for s in shape), _dtype(dt)) for k, (shape, dt) in sources.items()
+    }
+
+
+def _chosen(
+    declared: Declared,
+    srcs: dict[str, tuple[Shape, torch.dtype]],
+    other: Collection[str] | None,
+) -> tuple[Any, Conversion | None]:
+    """The declared candidate whose names `other` holds most of, and its compilation."""
+    cands = declared.candidates()
+    if other is None:
+        return cands[0][1], None
+    best: tuple[int, Any, Conversion | None] | None = None
+    failed: list[ConversionError] = []
+    for _, cand in cands:
+        try:
+            conv = None if cand is None else _compile(cand, srcs, None)
+        except ConversionError as exc:
+            failed.append(exc)
+            continue
+        names = srcs if conv is None else conv.targets
+        hits = sum(1 for n in names if n in other)
+        if best is None or hits > best[0]:
+            best = (hits, cand, conv)
+    if best is None:
+        raise failed[0]
+    return best[1], best[2]
 
 
 def _dtype(dt: torch.dtype | str) -> torch.dtype:
@@ -113,6 +189,13 @@ def _compile(
         return _checked(convert, srcs)
     if isinstance(convert, (str, os.PathLike)):
         return _compile(_load(convert), srcs, other)
+    if isinstance(convert, Declared):
+        cand, conv = _chosen(convert, srcs, other)
+        return conv if conv is not None else _compile(cand or _unchanged, srcs, other)
+    if isinstance(convert, Chain):
+        first = _compile(convert.first, srcs, None)
+        middle = {t.name: (t.shape, _dtype(t.dtype)) for t in first.targets.values()}
+        return composed(first, _compile(convert.second, middle, other))
     if isinstance(convert, Mapping):
         if "fsdpcheck_conversion" in convert:
             return _checked(Conversion.from_spec(convert), srcs)

@@ -24,6 +24,7 @@ from fsdpcheck.convert.pieces import (
     groups,
     row_strides,
     source_digits,
+    through,
     unravel,
 )
 from fsdpcheck.convert.trace import ConversionError
@@ -374,4 +375,47 @@ def compiled(
     return conv
 
 
-__all__ = ["Conversion", "Target", "compiled"]
+def composed(first: Conversion, second: Conversion) -> Conversion:
+    """`second` after `first`, as one conversion of `first`'s sources.
+
+    `second` was compiled for `first`'s targets (its sources are their names): each of its
+    pieces, reading a strided box of a target of `first`, becomes pieces of the sources that
+    target is made of (``pieces.through``). A source of `first` whose every target `second`
+    leaves out on purpose is left out on purpose, for `second`'s reason.
+
+    Raises:
+        ConversionError: `second` reads a tensor `first` does not write, or the composition is
+            not a strided map.
+    """
+    what = f"{first.description}, then {second.description}"
+    conv = Conversion(sources=dict(first.sources), description=what)
+    conv.notes = [*first.notes, *second.notes]
+    for t in second.targets.values():
+        out: list[Piece] = []
+        for p in t.pieces:
+            made = first.targets.get(p.source)
+            if made is None:
+                raise ConversionError(
+                    f"{what}: {t.name} reads {p.source}, which {first.description} does not write"
+                )
+            try:
+                for q in through(p, made.pieces):
+                    out += align_to_source(q, first.sources[q.source][0])
+            except NotStrided as exc:
+                raise ConversionError(
+                    f"{what}: {t.name} is not piecewise strided in the sources ({exc})"
+                ) from None
+        conv.targets[t.name] = Target(t.name, t.shape, t.dtype, tuple(out))
+    conv.dropped = dict(first.dropped)
+    readers: dict[str, set[str]] = {}
+    for t in first.targets.values():
+        for p in t.pieces:
+            readers.setdefault(p.source, set()).add(t.name)
+    for name, into in readers.items():
+        if name in conv.dropped or not into or not into <= set(second.dropped):
+            continue
+        conv.dropped[name] = second.dropped[min(into)]
+    return conv
+
+
+__all__ = ["Conversion", "Target", "compiled", "composed"]

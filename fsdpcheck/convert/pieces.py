@@ -375,6 +375,37 @@ def _compose_box(
         out.append(Piece(tuple(view), off, size, p.source, start, strides, p.cast))
 
 
+def through(p: Piece, pieces: Sequence[Piece]) -> list[Piece]:
+    """`p`, whose source is itself made of `pieces`, as pieces of their sources.
+
+    `p` reads its source (a row-major tensor whose elements `pieces` describe) at a strided
+    box; composing that strided read with each of `pieces` gives the same elements of `p`'s
+    target as pieces of the sources underneath (two conversions in a row, as one). Casts
+    compose in order: the inner piece's, then `p`'s.
+
+    Raises:
+        NotStrided: Not within MAX_PIECES pieces.
+    """
+    if p.numel == 0:
+        return []
+    # The read of index j of p's view is at ``origin + sum(j[d] * strides[d])``; only the box
+    # [offset, offset + size) is read, so the origin may lie before the source's first element.
+    origin = p.start - sum(o * s for o, s in zip(p.offset, p.strides))
+    out: list[Piece] = []
+    for q in pieces:
+        if q.numel == 0:
+            continue
+        _compose_box(q, p.view, p.strides, origin, p.offset, p.size, out)
+        if len(out) > MAX_PIECES:
+            raise NotStrided(f"more than {MAX_PIECES} pieces")
+    if not p.cast:
+        return out
+    return [
+        Piece(r.view, r.offset, r.size, r.source, r.start, r.strides, (*r.cast, *p.cast))
+        for r in out
+    ]
+
+
 def _put(t: Shape, d: int, v: int) -> Shape:
     return (*t[:d], v, *t[d + 1 :])
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fsdpcheck.dist.runner import RankFailure, call
 from fsdpcheck.formats import accelerate_parts
 from fsdpcheck.report import Finding, Report
 from fsdpcheck.verification import verify
@@ -37,13 +38,36 @@ def verify_state(
         One Report for all models and optimizers (keys prefixed ``model<i>/`` when there are
         several models).
     """
+    with call("accelerate verify_state", None, verify_kwargs.get("timeout")) as c:
+        try:
+            parts = c.step(
+                "finding the saved models and optimizers",
+                lambda: _parts(accelerator, Path(input_dir)),
+                agree_on=lambda p: [(m is not None, o is not None) for m, o in p],
+            )
+        except RankFailure as f:
+            raise f.failure.error() from None
+        return _verify_state(accelerator, input_dir, parts, verify_kwargs)
+
+
+def _parts(accelerator: Any, root: Path) -> list[tuple[Path | None, Path | None]]:
     models = list(getattr(accelerator, "_models", []))
-    optimizers = list(getattr(accelerator, "_optimizers", []))
     if not models:
         raise ValueError("the accelerator has no prepared model: call accelerator.prepare first")
+    return [accelerate_parts(root, i) for i in range(len(models))]
+
+
+def _verify_state(
+    accelerator: Any,
+    input_dir: str | os.PathLike[str],
+    parts: list[tuple[Path | None, Path | None]],
+    verify_kwargs: dict[str, Any],
+) -> Report:
+    models = list(getattr(accelerator, "_models", []))
+    optimizers = list(getattr(accelerator, "_optimizers", []))
     combined = Report(reference=f"accelerate save_state directory {input_dir}")
     for i, model in enumerate(models):
-        model_path, optim_path = accelerate_parts(Path(input_dir), i)
+        model_path, optim_path = parts[i]
         optimizer = (
             optimizers[i] if i < len(optimizers) and len(optimizers) == len(models) else None
         )

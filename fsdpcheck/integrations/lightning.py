@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import RankFailure, call
 from fsdpcheck.report import Report
 from fsdpcheck.watch import ReplicaWatch, verify_resumed
 
@@ -95,9 +97,16 @@ class VerifyOnResume(Callback):
         if self.watch_every is not None:
             self._watch = ReplicaWatch(pl_module, optimizer, every=self.watch_every)
         path = trainer.ckpt_path
-        if path is None:
-            return
-        self.report = verify_resumed(pl_module, path, optimizer=optimizer, **self.verify_kwargs)
+        with call("VerifyOnResume", None, self.verify_kwargs.get("timeout")) as c:
+            # Every rank resumed, or none did: agreed before any other collective.
+            c.arguments(resumed=given(path), optimizer=given(optimizer))
+            try:
+                c.check("agreeing on the resume")
+            except RankFailure as f:
+                raise f.failure.error() from None
+            if path is None:
+                return
+            self.report = verify_resumed(pl_module, path, optimizer=optimizer, **self.verify_kwargs)
         self._handle(trainer, self.report, f"resume from {path}")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:  # noqa: D102

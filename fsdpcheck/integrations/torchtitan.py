@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import RankFailure, call
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
 from fsdpcheck.saving import write_checkpoint_manifest
@@ -40,6 +41,7 @@ def verify_after_load(
     model_parts: list[torch.nn.Module] | None = None,
     optimizers: Any = None,
     group: Any = None,
+    timeout: float | None = None,
     **verify_kwargs: Any,
 ) -> Report:
     """Checks the model parts and optimizers against the step folder ``load()`` restored.
@@ -58,32 +60,66 @@ def verify_after_load(
             each key is checked on the ranks that hold it, with one verdict for the job).
         optimizers: The ``OptimizersContainer`` (default: the checkpointer's).
         group: The process group.
+        timeout: Seconds a rank waits in one collective for the others before it names the
+            ranks that did not answer (default: the process group's timeout).
         **verify_kwargs: Passed to ``fsdpcheck.verify`` when the folder has no manifest.
 
     Returns:
         The Report, identical on every rank. An OK report with a note when nothing was loaded
         (a fresh start, or a disabled checkpointer).
 
+    A load from Hugging Face safetensors (``initial_load_in_hf``) is checked through the
+    checkpointer's state dict adapter (``convert=``), model only.
+
     Raises:
-        ValueError: On every rank, for a load from Hugging Face safetensors (converted by a
-            state dict adapter, so names and dtypes differ).
+        ValueError: On every rank, for a load from Hugging Face safetensors when the
+            checkpointer holds no state dict adapter.
+        RanksDisagreeError: The ranks found different folders (or `step` differs).
     """
-    comm = Comm(group)
-    if not getattr(checkpointer, "enable", False):
-        return Report(world_size=comm.world, notes=["the checkpointer is disabled: nothing loaded"])
+    with call("torchtitan verify_after_load", group, timeout) as c:
+        enabled = bool(getattr(checkpointer, "enable", False))
+        adapter = given(getattr(checkpointer, "sd_adapter", None))
+        c.arguments(step=step, enabled=enabled, optimizers=given(optimizers), adapter=adapter)
+        try:
+            folder, model_only = c.step(
+                "finding the checkpoint torchtitan loaded",
+                lambda: _loaded_folder(checkpointer, step) if enabled else (None, False),
+                agree_on=lambda f: (f[0].name if f[0] is not None else None, f[1]),
+            )
+        except RankFailure as f:
+            raise f.failure.error() from None
+        if not enabled:
+            return Report(
+                world_size=c.comm.world, notes=["the checkpointer is disabled: nothing loaded"]
+            )
+        return _verify_loaded(checkpointer, folder, model_only, model_parts, optimizers, group,
+                              c.comm.world, verify_kwargs)  # fmt: skip
+
+
+def _verify_loaded(
+    checkpointer: Any,
+    folder: Path | None,
+    model_only: bool | str,
+    model_parts: list[torch.nn.Module] | None,
+    optimizers: Any,
+    group: Any,
+    world: int,
+    verify_kwargs: dict[str, Any],
+) -> Report:
     states = checkpointer.states
     parts = model_parts if model_parts is not None else states["model"].model
-    folder, model_only = agree(
-        comm, lambda: _loaded_folder(checkpointer, step), "finding the checkpoint torchtitan loaded"
-    )
     if folder is None:
-        return Report(world_size=comm.world, notes=["no checkpoint was loaded (a fresh start)"])
+        return Report(world_size=world, notes=["no checkpoint was loaded (a fresh start)"])
     if model_only == "hf":
-        raise ValueError(
-            f"{folder} was loaded from Hugging Face safetensors through a state dict adapter "
-            "(names and dtypes converted); check the converted model with fsdpcheck.verify "
-            "and a key_map instead"
-        )
+        # Loaded through the checkpointer's state dict adapter: checked through its to_hf.
+        adapter = getattr(checkpointer, "sd_adapter", None)
+        if adapter is None:
+            raise ValueError(
+                f"{folder} was loaded from Hugging Face safetensors through a state dict "
+                "adapter the checkpointer no longer holds; check the model with "
+                "fsdpcheck.verify(model, folder, convert=adapter)"
+            )
+        verify_kwargs.setdefault("convert", adapter)
     optimizer = None if model_only else _optimizers(checkpointer, optimizers)
     model = parts[0] if len(parts) == 1 else list(parts)
     report = verify_resumed(model, folder, optimizer=optimizer, group=group, **verify_kwargs)
@@ -134,6 +170,7 @@ def write_step_manifest(
     model_parts: list[torch.nn.Module] | None = None,
     optimizers: Any = None,
     group: Any = None,
+    timeout: float | None = None,
 ) -> Manifest:
     """Writes fsdpcheck's manifest into ``step-<step>/`` for what ``save(step)`` just wrote.
 
@@ -144,18 +181,22 @@ def write_step_manifest(
     Returns:
         The manifest (identical on every rank).
     """
-    parts = model_parts if model_parts is not None else checkpointer.states["model"].model
-    optimizer = _optimizers(checkpointer, optimizers)
-    if (
-        getattr(checkpointer, "async_mode", None) is not None
-        and str(getattr(checkpointer.async_mode, "value", checkpointer.async_mode)) != "disabled"
-    ):
-        # The fingerprints are taken now (the state staged for saving); the manifest may only
-        # appear once the folder is complete.
-        checkpointer.maybe_wait_for_saving()
-    where = Path(checkpointer.folder) / f"step-{step}"
-    model = parts[0] if len(parts) == 1 else list(parts)
-    return write_checkpoint_manifest(model, where, optimizer=optimizer, group=group)
+    with call("torchtitan write_step_manifest", group, timeout) as c:
+        parts = model_parts if model_parts is not None else checkpointer.states["model"].model
+        optimizer = _optimizers(checkpointer, optimizers)
+        asynchronous = (
+            getattr(checkpointer, "async_mode", None) is not None
+            and str(getattr(checkpointer.async_mode, "value", checkpointer.async_mode))
+            != "disabled"
+        )
+        c.arguments(step=step, asynchronous=asynchronous)
+        if asynchronous:
+            # The fingerprints are taken now (the state staged for saving); the manifest may
+            # only appear once the folder is complete.
+            c.local("waiting for torchtitan's save", checkpointer.maybe_wait_for_saving)
+        where = Path(checkpointer.folder) / f"step-{step}"
+        model = parts[0] if len(parts) == 1 else list(parts)
+        return write_checkpoint_manifest(model, where, optimizer=optimizer, group=group)
 
 
 def save_manifests(checkpointer: Any, *, group: Any = None) -> Any:

@@ -22,7 +22,8 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from fsdpcheck.collectives import Comm, agree
+from fsdpcheck.dist.arguments import given
+from fsdpcheck.dist.runner import RankFailure, call
 from fsdpcheck.formats.transformers import OPTIMIZER_FILES, trainer_files
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
@@ -112,12 +113,21 @@ class VerifyOnResume(TrainerCallback):
             return folder, files
 
         # A folder one rank cannot see must fail on every rank, not leave the others waiting.
-        folder, files = agree(Comm(), locate, "finding the checkpoint the run resumed from")
-        if folder is None:
-            return
-        self.report = verify_resumed(
-            model, folder, optimizer=optimizer, files=files, **self.verify_kwargs
-        )
+        with call("VerifyOnResume", None, self.verify_kwargs.get("timeout")) as c:
+            c.arguments(checkpoint=given(self.checkpoint), optimizer=given(optimizer))
+            try:
+                folder, files = c.step(
+                    "finding the checkpoint the run resumed from",
+                    locate,
+                    agree_on=lambda f: (None if f[0] is None else f[0].name, len(f[1])),
+                )
+            except RankFailure as f:
+                raise f.failure.error() from None
+            if folder is None:
+                return
+            self.report = verify_resumed(
+                model, folder, optimizer=optimizer, files=files, **self.verify_kwargs
+            )
         self._handle(state, control, self.report, f"resume from {folder}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:  # noqa: D102

@@ -22,7 +22,7 @@ from fsdpcheck.sources.merged import MergedSource
 from fsdpcheck.sources.remote import RemotePath
 
 if TYPE_CHECKING:
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.dcp import DCPSource, Verdicts
 
 __all__ = [
     "Entry",
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-def open_source(reference: Any) -> Source:
+def open_source(reference: Any, *, trust: Verdicts | None = None) -> Source:
     """Opens a reference of any supported kind.
 
     Args:
@@ -48,6 +48,9 @@ def open_source(reference: Any) -> Source:
             Lightning, Hugging Face folder or index, DeepSpeed, megatron-core, torch.save file,
             safetensors); a mapping of full tensors; a full nn.Module; or a list/tuple of any of
             these, read as one (their keys must not collide).
+        trust: The verdicts of another process's check, which the DCP directories opened take
+            in order, or an empty ``Verdicts`` that records this process's
+            (``fsdpcheck.opening``: the metadata checked once per job).
 
     Returns:
         The Source.
@@ -64,7 +67,7 @@ def open_source(reference: Any) -> Source:
         parts: list[Source] = []
         try:
             for r in reference:
-                parts.append(open_source(r))
+                parts.append(open_source(r, trust=trust))
         except BaseException:
             for s in parts:
                 s.close()
@@ -75,15 +78,15 @@ def open_source(reference: Any) -> Source:
             f"reference must be a path, a mapping of tensors or an nn.Module, not "
             f"{type(reference).__name__}"
         )
-    return open_info(describe_path(reference))
+    return open_info(describe_path(reference), trust=trust)
 
 
-def open_info(info: CheckpointInfo) -> Source:
+def open_info(info: CheckpointInfo, *, trust: Verdicts | None = None) -> Source:
     """Opens every part of a recognised checkpoint, as one source."""
     sources: list[Source] = []
     try:
         for i in range(len(info.parts)):
-            sources.append(open_part(info, i))
+            sources.append(open_part(info, i, trust=trust))
     except BaseException:
         for s in sources:
             s.close()
@@ -103,21 +106,22 @@ def checkpoint_notes(source: Source) -> list[str]:
     return out
 
 
-def open_part(info: CheckpointInfo, index: int) -> Source:
+def open_part(info: CheckpointInfo, index: int, *, trust: Verdicts | None = None) -> Source:
     """Part `index` of a recognised checkpoint, knowing its layout and role (its key grammar)."""
-    source = open_path(info.parts[index])
+    source = open_path(info.parts[index], trust=trust)
     source.checkpoint, source.role = info, info.roles[index]
     return source
 
 
-def open_path(path: Path | RemotePath) -> Source:
+def open_path(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file.
 
     Also a ``*.bin.index.json``, and torch's HuggingFaceStorageWriter shards (a folder or a file).
-    In an object store (a `RemotePath`): a DCP directory or safetensors.
+    In an object store (a `RemotePath`): a DCP directory or safetensors. `trust`: as for
+    `open_source` (DCP directories only).
     """
     if isinstance(path, RemotePath):
-        return open_remote(path)
+        return open_remote(path, trust=trust)
     from fsdpcheck.sources import bin_index, hf_storage
 
     if hf_storage.holds_shards(path):
@@ -131,7 +135,7 @@ def open_path(path: Path | RemotePath) -> Source:
     if path.is_dir():
         from fsdpcheck.sources.dcp import DCPSource
 
-        return DCPSource(path)
+        return DCPSource(path, verdicts=trust)
     from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 
     if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
@@ -150,7 +154,7 @@ def open_dcp(path: Path | RemotePath) -> DCPSource:
     return DCPSource(path)
 
 
-def open_remote(path: RemotePath) -> Source:
+def open_remote(path: RemotePath, *, trust: Verdicts | None = None) -> Source:
     """A DCP directory or safetensors in an object store (NOTE: [object storage] in remote)."""
     if path.name.endswith((".safetensors", ".json")) or ".metadata" not in path.listing():
         from fsdpcheck.sources.remote_files import RemoteSafetensorsSource
@@ -158,7 +162,7 @@ def open_remote(path: RemotePath) -> Source:
         return RemoteSafetensorsSource.from_remote(path)
     from fsdpcheck.sources.remote_dcp import RemoteDCPSource
 
-    return RemoteDCPSource(path)
+    return RemoteDCPSource(path, verdicts=trust)
 
 
 def refuse_problems(source: Source, where: object, action: str) -> None:

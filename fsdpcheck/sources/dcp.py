@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import io
 import itertools
 import math
@@ -81,6 +80,8 @@ class DCPSource(Source):
         trusted_check: What that process's check found (its `storage_problems`): when the
             digest matches, this source reports it as its own, so that every process reaches
             the same verdict (None: nothing found, or not known).
+        verdicts: The verdicts of a reference opened once per job (``fsdpcheck.opening``): this
+            source takes the next one (unless `trusted_digest` is given) and records itself.
     """
 
     kind = "dcp"
@@ -92,10 +93,10 @@ class DCPSource(Source):
         *,
         trusted_digest: str | None = None,
         trusted_check: StorageProblems | None = None,
+        verdicts: Verdicts | None = None,
     ) -> None:
         self.path: Path | RemotePath = path if isinstance(path, RemotePath) else Path(path)
         self.description = f"DCP checkpoint {self.path}"
-        verdicts = _VERDICTS.get()
         if trusted_digest is None and verdicts is not None:
             trusted_digest, trusted_check = verdicts.next()
         self._index, self._check = open_index(self.path, trusted_digest=trusted_digest)
@@ -464,9 +465,15 @@ class DCPSource(Source):
 
 
 class Verdicts:
-    """The DCP sources opened in a block, and the verdicts they take in order (`trusting`)."""
+    """The verdicts DCP sources take in order when a reference is opened once per job.
 
-    def __init__(self, given: Sequence[tuple[str, StorageProblems | None]] | None) -> None:
+    The process that checks opens the reference with ``Verdicts()`` and reads back what each
+    of its DCP sources found (`taken`); the others open the same reference with
+    ``Verdicts(taken)``, in the same order (``open_source(..., trust=)``). A source whose bytes
+    hash differently checks itself.
+    """
+
+    def __init__(self, given: Sequence[tuple[str, StorageProblems | None]] | None = None) -> None:
         self.given = list(given) if given is not None else None
         self.made: list[DCPSource] = []
 
@@ -479,30 +486,6 @@ class Verdicts:
     def taken(self) -> list[tuple[str, StorageProblems | None]]:
         """(digest, what its check found) of each source opened, in order."""
         return [(s.metadata_digest, s.storage_problems) for s in self.made]
-
-
-_VERDICTS: contextvars.ContextVar[Verdicts | None] = contextvars.ContextVar(
-    "fsdpcheck_dcp_verdicts", default=None
-)
-
-
-@contextlib.contextmanager
-def trusting(
-    given: Sequence[tuple[str, StorageProblems | None]] | None = None,
-) -> Iterator[Verdicts]:
-    """Every `DCPSource` opened inside takes the next of `given` as its trusted verdict.
-
-    For opening a reference of any kind once per job (``fsdpcheck.opening``): the process that
-    checked opens it with `given` None and reads back what each of its DCP sources found
-    (`Verdicts.taken`); the others open the same reference with those verdicts, in the same
-    order. A source whose bytes hash differently checks itself.
-    """
-    verdicts = Verdicts(given)
-    token = _VERDICTS.set(verdicts)
-    try:
-        yield verdicts
-    finally:
-        _VERDICTS.reset(token)
 
 
 #: Keys saved as one chunk, for the regions of one read (`DcpIndex.singles`).
