@@ -22,7 +22,7 @@ Three parts, in one run:
 Sizes (times on the 2-core development machine):
     --quick   W = 2, 4;    K = 100, 1000;  5k keys for part 3                    (~3 min)
     default   W = 2, 4, 8; K = 100, 1000;  20k keys for part 3                   (~8 min)
-    --full    W = 2, 4, 8; K = 1000, 10000; 50k keys for part 3 (the README's)   (~31 min)
+    --full    W = 2, 4, 8; K = 1000, 10000; 50k keys for part 3 (docs/scale.md's)   (~31 min)
 
 Examples:
     python bench/bench_scale.py --quick
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the smallest sizes (~3 min)")
-    size.add_argument("--full", action="store_true", help="the README's sizes (~31 min)")
+    size.add_argument("--full", action="store_true", help="docs/scale.md's sizes (~31 min)")
     p.add_argument("--parts", default="counted,sim,keys", help="any of counted,sim,keys")
     p.add_argument("--no-torchtitan", action="store_true", help="leave the torchtitan rows out")
     p.add_argument("--json", default=None)

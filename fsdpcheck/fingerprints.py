@@ -1,9 +1,9 @@
 """Layout-independent fingerprints of a live model and of a checkpoint on disk.
 
-Fingerprint v1 (README) of a tensor is the sum over its elements of a hash of (global index,
-raw bits), so the fingerprints of the boxes that tile it add up to the whole tensor's: each rank
-hashes the shards it holds in one fused pass, replicated copies are counted once, and the result
-is the same whatever the world size, mesh, placements or device.
+Fingerprint v1 (docs/fingerprint-v1.md) of a tensor is the sum over its elements of a hash of
+(global index, raw bits), so the fingerprints of the boxes that tile it add up to the whole
+tensor's: each rank hashes the shards it holds in one fused pass, replicated copies are counted
+once, and the result is the same whatever the world size, mesh, placements or device.
 """
 
 from __future__ import annotations

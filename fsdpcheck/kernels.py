@@ -65,7 +65,7 @@ class TensorDiff:
     Attributes:
         numel: Number of elements compared.
         mismatched: Elements failing ``|a - e| <= atol + rtol * |e|`` (NaN and infinity rules in
-            the README).
+            docs/kernel-api.md).
         nan_actual: NaNs in ``actual``.
         nan_expected: NaNs in ``expected``.
         inf_actual: Infinities in ``actual``.

@@ -1,5 +1,5 @@
-"""A float64/numpy reference for the kernels, written from the README ("Kernel API" semantics,
-"Fingerprint v1"), not from the C++ code."""
+"""A float64/numpy reference for the kernels, written from docs/kernel-api.md (its semantics)
+and docs/fingerprint-v1.md, not from the C++ code."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def global_indices(local_shape: tuple[int, ...], gshape: tuple[int, ...], offset
 
 
 def fingerprint(t: torch.Tensor, gshape=None, offset=None) -> int:
-    """Fingerprint v1 exactly as the README ("Fingerprint v1") defines it."""
+    """Fingerprint v1 exactly as docs/fingerprint-v1.md defines it."""
     gshape = tuple(t.shape) if gshape is None else tuple(gshape)
     offset = (0,) * t.dim() if offset is None else tuple(offset)
     if t.numel() == 0:

@@ -25,7 +25,7 @@ from tests.cases import (
 )
 
 # ---------------------------------------------------------------------------------------------
-# Golden values: Fingerprint v1 is a stable format (README, "Fingerprint v1"); never change them.
+# Golden values: Fingerprint v1 is a stable format (docs/fingerprint-v1.md); never change them.
 # ---------------------------------------------------------------------------------------------
 GOLDEN = [
     (torch.arange(10, dtype=torch.float32), None, 0xA11F359A2856EBC0),

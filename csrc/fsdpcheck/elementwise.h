@@ -35,7 +35,7 @@ enum class DType : int32_t {
 constexpr int kNumDTypes = 12;
 
 // ---------------------------------------------------------------------------------------------
-// Fingerprint v1 (README, "Fingerprint v1"). A stable format: manifests store these numbers.
+// Fingerprint v1 (docs/fingerprint-v1.md). A stable format: manifests store these numbers.
 // ---------------------------------------------------------------------------------------------
 constexpr uint64_t kKeyAdd = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t kKeyMul = 0xD6E8FEB86659FD93ULL;
@@ -369,7 +369,7 @@ FSDPCHECK_HD Value decode_dynamic(DType d, uint64_t bits) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The comparison of one pair of elements (README, "Kernel API", Semantics).
+// The comparison of one pair of elements (docs/kernel-api.md, Semantics).
 // ---------------------------------------------------------------------------------------------
 struct CompareParams {
   double rtol;
