@@ -67,7 +67,7 @@ def audit(
     checked = 0
     whole = CheckpointKeys()
     values = [0, 0]  # --deep: tensors whose values were checked against a fingerprint, and not
-    for index, part in enumerate(info.parts):
+    for index, part in enumerate(info.paths):
         prefix = "" if len(info.parts) == 1 else part.name + "/"
         try:
             if is_dcp_dir(part):

@@ -182,7 +182,7 @@ def checkpoint_keys(source: Source) -> CheckpointKeys:
         keys = keys_from_entries(
             part.entries(),
             grammar=grammar_of(layout),
-            flat=part.kind == "safetensors",
+            flat=part.flat_names,
             role=part.role,
         )
         recognised = layout_named(layout)

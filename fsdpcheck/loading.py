@@ -330,10 +330,10 @@ def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
     if stale is not None:  # it describes an earlier save: checked against, it would only mislead
         info.notes.append(f"{stale}; not used")
         manifest = None
-    if info.kind == "sharded" and not all(is_dcp_dir(p) for p in info.parts):
+    if info.kind == "sharded" and not all(is_dcp_dir(p) for p in info.paths):
         raise CheckpointError(
             f"{info.path}: a sharded checkpoint whose parts are not all DCP directories "
-            f"({', '.join(p.name for p in info.parts)}); fsdpcheck cannot load it as one"
+            f"({', '.join(p.name for p in info.paths)}); fsdpcheck cannot load it as one"
         )
     refuse_problems(source, info.path, "load it: nothing was loaded")
     if manifest is not None:
@@ -355,7 +355,7 @@ def _same_checkpoint(c: Call, path: str | os.PathLike[str], plan: _Plan | None) 
         (
             plan.info.kind,
             plan.info.layout,
-            [_relative(p, plan.info.path) for p in plan.info.parts],
+            [_relative(p, plan.info.path) for p in plan.info.paths],
             # Which save the manifest belongs to, in a few words (not its entries: 10**6 keys).
             None if m is None else (m.created, len(m.entries), sorted(m.saves.items())),
         )
@@ -542,7 +542,7 @@ def _load_dcp(
 
     parts, states = c.step("preparing DCP's load", plan)
     loaded: list[str] = []  # the parts loaded whole, and their keys
-    for i, (where, state) in enumerate(zip(w.info.parts, states)):
+    for i, (where, state) in enumerate(zip(w.info.paths, states)):
         # Every rank makes the same DCP calls in the same order (a rank with nothing to load
         # from a part still takes part in its collectives).
         part = parts[i]

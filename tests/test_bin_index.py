@@ -63,13 +63,13 @@ def test_same_weights_as_safetensors_every_element(folders: dict[str, Path]) -> 
 def test_index_file_and_folder_recognised(folders: dict[str, Path]) -> None:
     by_folder = fsdpcheck.describe_path(folders["bin"])
     by_file = fsdpcheck.describe_path(folders["bin"] / INDEX)
-    assert (by_folder.layout, by_folder.kind, by_folder.parts) == (
+    assert (by_folder.layout, by_folder.kind, by_folder.paths) == (
         "torch.save",
         "full",
         [folders["bin"] / INDEX],
     )
     assert by_folder.description == f"a sharded torch.save checkpoint ({INDEX})"
-    assert (by_file.layout, by_file.parts) == ("torch.save", [folders["bin"] / INDEX])
+    assert (by_file.layout, by_file.paths) == ("torch.save", [folders["bin"] / INDEX])
     assert fsdpcheck.compare_checkpoints(folders["bin"] / INDEX, folders["bin"]).ok
 
 
@@ -77,7 +77,7 @@ def test_other_prefixes_and_two_indexes(folders: dict[str, Path], tmp_path: Path
     d = tmp_path / "ckpt"
     shutil.copytree(folders["bin"], d)
     (d / INDEX).rename(d / "model.bin.index.json")
-    assert fsdpcheck.describe_path(d).parts == [d / "model.bin.index.json"]
+    assert fsdpcheck.describe_path(d).paths == [d / "model.bin.index.json"]
     assert fsdpcheck.compare_checkpoints(d, folders["safetensors"]).ok
     shutil.copy(d / "model.bin.index.json", d / "adapter_model.bin.index.json")
     with pytest.raises(ValueError) as err:

@@ -19,10 +19,16 @@ from pathlib import Path
 import pytest
 
 import fsdpcheck
-from tests.corpus import Case, changed, read_cases, snapshot
+from tests.corpus import Case, changed, collect, read_cases, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
-DIST_LAYOUTS = ("dcp", "torchtitan", "lightning", "accelerate", "deepspeed", "megatron")
+# Every builder module's cases (tests/corpus/*.py: CASES): in this process, or by the launch.
+BUILDERS = collect()
+HF_NAMES = [n for c in BUILDERS if not c.dist for n in c.names]
+DIST_NAMES = [n for c in BUILDERS if c.dist for n in c.names]
+LIVE_NAMES = [n for c in BUILDERS if c.dist for n in c.live]
+# The library each case comes from: a build that could not run is one skipped case under it.
+LIBRARY = {n: c.library for c in BUILDERS for n in c.names}
 # Layouts whose checkpoints hold the same keys fingerprint() gives a live model and optimizer.
 SAME_NAMES = ("transformers", "torchtitan", "accelerate", "dcp", "lightning")
 
@@ -49,11 +55,15 @@ _RANK_ERROR = re.compile(r"Error|Exception|terminate|Traceback|File \"|assert|Ab
 
 @pytest.fixture(scope="module")
 def hf_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    pytest.importorskip("transformers", reason="transformers is not installed")
-    from tests.corpus import hf, hf_bin
+    from tests.corpus import resolve
 
     root = tmp_path_factory.mktemp("hf")
-    return {c.name: c for c in hf.build(root) + hf_bin.build(root)}
+    built: dict[str, Case] = {}
+    for c in BUILDERS:
+        if not c.dist:
+            pytest.importorskip(c.requires, reason=f"{c.requires} is not installed")
+            built.update((case.name, case) for case in resolve(c.target)(root))
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -66,45 +76,35 @@ def dist_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Cas
     return cases, checks
 
 
-HF_NAMES = [
-    "hf_tied_single",
-    "hf_tied_sharded",
-    "hf_untied_single",
-    "hf_untied_sharded",
-    "hf_bin_bare",
-    "hf_bin_config",
-]
-DIST_NAMES = [
-    "dcp_fqn_nested",
-    "dcp_fqn_flat",
-    "dcp_ids_nested",
-    "dcp_ids_flat",
-    "torchtitan",
-    "lightning",
-    "accelerate",
-    "accelerate_full",
-    "deepspeed_zero2",
-    "deepspeed_zero3",
-    "deepspeed_universal",
-    "megatron",
-]
-LIVE_NAMES = [n for n in DIST_NAMES if not n.startswith(("deepspeed", "megatron"))]
-
-
-@pytest.fixture(params=HF_NAMES + DIST_NAMES + ["dcp_chunk_flipped"])
+@pytest.fixture(params=HF_NAMES + DIST_NAMES)
 def case(request: pytest.FixtureRequest) -> Case:
-    if request.param.startswith("hf_"):
-        c = request.getfixturevalue("hf_cases")[request.param]
+    if request.param in HF_NAMES:
+        c = request.getfixturevalue("hf_cases").get(request.param)
     else:
         cases, _ = request.getfixturevalue("dist_corpus")
-        c = cases.get(request.param) or next(
-            (x for x in cases.values() if x.skip and request.param.startswith(x.name)), None
-        )
-        if c is None:
-            pytest.fail(f"the corpus build wrote no case {request.param}")
+        c = cases.get(request.param)
+        if c is None:  # the library's build could not run: one skipped case under its name
+            c = next((x for x in [cases.get(LIBRARY[request.param])] if x and x.skip), None)
+    if c is None:
+        pytest.fail(f"the corpus build wrote no case {request.param}")
     if c.skip:
         pytest.skip(f"{c.library}: {c.skip}")
     return c
+
+
+def test_every_case_built_is_one_its_builder_names(
+    hf_cases: dict[str, Case], dist_corpus: tuple[dict[str, Case], list[dict]]
+) -> None:
+    # A builder's CASES is what the tests run over: a case it writes and does not name would
+    # go unchecked, one it names and does not write fails in `case` above.
+    cases, _ = dist_corpus
+    skipped = {n for n, c in cases.items() if c.skip}
+    assert set(cases) - skipped == set(DIST_NAMES) - {
+        n for n in DIST_NAMES if LIBRARY[n] in skipped
+    }
+    assert set(hf_cases) == set(HF_NAMES)
+    for c in BUILDERS:
+        assert set(c.live) <= set(c.names), c.library
 
 
 def _values(report: fsdpcheck.Report) -> set[tuple[str, tuple[int, ...]]]:
@@ -224,7 +224,7 @@ def test_fingerprint_checkpoint_keys_and_planted(case: Case) -> None:
 
 
 # ---------------------------------------------------------------- transformers, live
-@pytest.mark.parametrize("name", HF_NAMES)
+@pytest.mark.parametrize("name", [n for c in BUILDERS if not c.dist for n in c.live])
 def test_hf_verify_live(hf_cases: dict[str, Case], name: str) -> None:
     from tests.corpus import resolve
 
@@ -251,7 +251,7 @@ def test_hf_verify_live(hf_cases: dict[str, Case], name: str) -> None:
     assert {k for k, _ in extra} <= set(case.tied), str(planted)
 
 
-@pytest.mark.parametrize("name", HF_NAMES)
+@pytest.mark.parametrize("name", [n for c in BUILDERS if not c.dist for n in c.live])
 def test_hf_fingerprint_live_equals_checkpoint(hf_cases: dict[str, Case], name: str) -> None:
     from tests.corpus import resolve
 

@@ -72,7 +72,7 @@ def test_recognised_and_read(tmp_path: Path) -> None:
     for p in (folder, tmp_path):  # the folder, or the root whose latest_universal names it
         info = describe_path(p)
         assert info.layout == "deepspeed_universal"
-        assert [q.name for q in info.parts] == ["mp_rank_00_model_states.pt", "zero"]
+        assert [q.name for q in info.paths] == ["mp_rank_00_model_states.pt", "zero"]
     r = fsdpcheck.audit(folder)
     assert r.ok, str(r)
     assert any("zero/optimizer_state.pt" in n and "not read" in n for n in r.notes)

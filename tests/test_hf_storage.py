@@ -105,7 +105,7 @@ def live_fingerprint(spawns: Spawns) -> dict[str, int]:
 
 def test_recognised_with_each_files_box(saved: dict[str, Path]) -> None:
     info = fsdpcheck.describe_path(saved["clean"])
-    assert (info.layout, info.kind, info.parts, info.notes) == (
+    assert (info.layout, info.kind, info.paths, info.notes) == (
         "hf_storage",
         "full",
         [saved["clean"]],
@@ -125,7 +125,7 @@ def test_recognised_with_each_files_box(saved: dict[str, Path]) -> None:
 def test_consolidated_folder_reads_the_consolidated_files(saved: dict[str, Path]) -> None:
     folder = saved["consolidated"]
     info = fsdpcheck.describe_path(folder)
-    assert (info.layout, info.parts) == ("safetensors", [folder / "model.safetensors.index.json"])
+    assert (info.layout, info.paths) == ("safetensors", [folder / "model.safetensors.index.json"])
     assert info.notes == [
         "sharded/ holds the per-rank shards these consolidated files were made from: not read "
         f"(pass {folder / 'sharded'} to check them)"
@@ -136,7 +136,7 @@ def test_consolidated_folder_reads_the_consolidated_files(saved: dict[str, Path]
 def test_sharded_folder_without_consolidated_index(saved: dict[str, Path], tmp_path: Path) -> None:
     shutil.copytree(saved["consolidated"] / "sharded", tmp_path / "sharded")
     info = fsdpcheck.describe_path(tmp_path)
-    assert (info.layout, info.parts) == ("hf_storage", [tmp_path / "sharded"])
+    assert (info.layout, info.paths) == ("hf_storage", [tmp_path / "sharded"])
     assert info.notes == [
         "no model.safetensors.index.json beside sharded/ (consolidation not run or not "
         "finished): the per-rank shards are read"

@@ -184,3 +184,53 @@ def test_lightning_plain_ckpt_resume_is_verified(tmp_path) -> None:
         )
     (f,) = changed.report.findings
     assert (f.key, f.kind, f.max_abs_index) == ("net.2.weight", "value", (1, 3))
+
+
+# --- the failure policy the trainer callbacks share -------------------------------------------
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def info(self, msg: str, *args: object) -> None:
+        self.lines.append(("info", msg % args))
+
+    def error(self, msg: str, *args: object) -> None:
+        self.lines.append(("error", msg % args))
+
+
+@pytest.mark.parametrize("leader", [True, False])
+@pytest.mark.parametrize("policy", ["raise", "stop", "warn"])
+def test_resume_policy_raise_stop_warn(policy: str, leader: bool) -> None:
+    from fsdpcheck.integrations import lightning, transformers
+    from fsdpcheck.integrations._resume import ON_FAILURE, ResumeCheck
+    from fsdpcheck.report import Finding, Report
+
+    assert lightning.ON_FAILURE is transformers.ON_FAILURE is ON_FAILURE == (
+        "raise", "stop", "warn"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"on_failure must be one of .*'halt'"):
+        ResumeCheck(on_failure="halt", watch_every=None, verify_kwargs={})
+    bad = Report(findings=[Finding("w", "value", "differs")])
+    good = Report(keys_checked=1)
+    check = ResumeCheck(on_failure=policy, watch_every=None, verify_kwargs={})
+    log, stops = _Log(), []
+
+    def handle(report: Report) -> None:
+        check.handle(report, "resume", log=log, leader=leader, stop=lambda: stops.append(1))
+
+    if policy == "raise":
+        with pytest.raises(fsdpcheck.VerificationError, match="w"):
+            handle(bad)
+    else:
+        handle(bad)
+    assert stops == ([1] if policy == "stop" else [])
+    failed = (
+        [("error", f"fsdpcheck: resume failed:\n{bad}")] if leader and policy != "raise" else []
+    )
+    assert log.lines == failed
+    handle(good)
+    assert log.lines[len(failed) :] == (
+        [("info", f"fsdpcheck: resume: {good.summary()}")] if leader else []
+    )
+    assert stops == ([1] if policy == "stop" else [])
+    assert check.watch_step() is None  # no watch asked for

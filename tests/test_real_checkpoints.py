@@ -171,7 +171,7 @@ def trainer_run(tmp_path_factory) -> tuple[Any, Path]:
 def test_trainer_checkpoint_folder_with_its_optimizer(trainer_run):
     trainer, ckpt = trainer_run
     info = fsdpcheck.describe_path(ckpt)
-    assert info.layout == "hf-trainer" and [p.name for p in info.parts] == [
+    assert info.layout == "hf-trainer" and [p.name for p in info.paths] == [
         "model.safetensors",
         "optimizer.pt",
     ]

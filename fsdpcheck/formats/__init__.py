@@ -3,8 +3,9 @@
 ``describe_path`` is what ``open_source``, ``load``, ``audit`` and ``inspect`` all ask. Each
 layout module (``fsdpcheck/formats/<layout>.py``) recognises its writer's checkpoints from file
 names and small marker files only (never unpickling anything) and states its key grammar and
-quirks; ``LAYOUTS`` is the ordered registry (first match wins: the more specific layouts come
-first). Adding a layout is a new module here, one line in ``LAYOUTS``, and its corpus test.
+quirks, and names the reader of each part it finds (``Part``; ``formats.readers``); ``LAYOUTS``
+is the ordered registry (first match wins: the more specific layouts come first). Adding a
+layout is a new module here, one line in ``LAYOUTS``, and its corpus builder (``tests/corpus/``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from fsdpcheck.formats.base import (
     CheckpointInfo,
     CheckpointLayout,
     KeyGrammar,
+    Part,
     Probe,
+    Reader,
     is_dcp_dir,
 )
 from fsdpcheck.formats.dcp import Dcp
@@ -141,6 +144,8 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointLayout",
     "KeyGrammar",
+    "Part",
+    "Reader",
     "accelerate_parts",
     "describe_path",
     "grammar_of",

@@ -12,9 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from fsdpcheck.formats import readers
 from fsdpcheck.formats.base import (
     CheckpointInfo,
     CheckpointLayout,
+    Part,
     Probe,
     is_dcp_dir,
     training_note,
@@ -65,9 +67,10 @@ class Accelerate(CheckpointLayout):
                 "checkpoint (pytorch_model_fsdp_0/, model.safetensors, ...)"
             )
         kind = "sharded" if is_dcp_dir(model) else "full"
-        parts = [model] + ([optim] if optim is not None else [])
+        files = [model] + ([optim] if optim is not None else [])
         roles = ["model"] + (["optimizer"] if optim is not None else [])
-        what = ", ".join(q.name + ("/" if q.is_dir() else "") for q in parts)
+        parts = [Part(q, role, readers.by_name(q)) for q, role in zip(files, roles)]
+        what = ", ".join(q.name + ("/" if q.is_dir() else "") for q in files)
         training = sorted(p / n for n in probe.names if _TRAINING.fullmatch(n))
         return CheckpointInfo(
             p,
@@ -76,6 +79,5 @@ class Accelerate(CheckpointLayout):
             f"an accelerate save_state directory ({kind}: {what})",
             parts,
             training_note(training),
-            roles,
             training,
         )

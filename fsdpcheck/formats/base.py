@@ -6,7 +6,8 @@ lives in its module under ``fsdpcheck/formats/``:
 
 - ``recognize(probe)``: whether a path is this layout's, from file names and small marker files
   only (never unpickling anything), and what it holds (``CheckpointInfo``: the parts that hold
-  tensors, each with its role, and the side files a resume reads);
+  tensors, each a ``Part`` with its role and the reader that opens it, and the side files a
+  resume reads);
 - ``grammar``: how its keys name model tensors, optimizer state and hyperparameters
   (``KeyGrammar``);
 - ``placeholder(entry)``: entries that stand for values stored elsewhere (DeepSpeed ZeRO-3),
@@ -25,11 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fsdpcheck.names import WRAPPER_PREFIXES
 
 if TYPE_CHECKING:
+    from fsdpcheck.sources.base import Source
+    from fsdpcheck.sources.dcp import Verdicts
     from fsdpcheck.sources.remote import RemotePath
 
 # Part roles: what a part of a checkpoint holds. "any" parts are read by their own structure.
@@ -67,8 +70,6 @@ class KeyGrammar:
         wrapper_prefixes: Leading components this writer's wrappers put before every model name.
         state_name_first: Optimizer state is keyed ``state.<name>.<fqn>`` (megatron-core's
             ``optimizer.state.<state>.<param key>``) instead of ``state.<fqn>.<name>``.
-        flat_names: Keys are single names with dots inside (safetensors); nested paths do not
-            apply.
         step_per_parameter: Adam's ``step`` is saved with each parameter's moments (torch's
             layout); megatron-core keeps it in the param groups instead.
     """
@@ -77,7 +78,6 @@ class KeyGrammar:
     optim_containers: frozenset[str] = OPTIM_CONTAINERS
     wrapper_prefixes: tuple[str, ...] = WRAPPER_PREFIXES
     state_name_first: bool = False
-    flat_names: bool = False
     step_per_parameter: bool = True
 
     def optim_path(self, p: tuple[str, ...]) -> OptimPath | None:
@@ -128,6 +128,40 @@ class KeyGrammar:
 DEFAULT_GRAMMAR = KeyGrammar()
 
 
+class Reader(Protocol):
+    """Opens one part of a checkpoint: a ``Source`` over `path`.
+
+    `trust`: the verdicts of another process's check of a DCP ``.metadata``
+    (``fsdpcheck.opening``); readers of other storage take it and ignore it.
+    """
+
+    def __call__(self, path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
+        """The part at `path`, opened."""
+        ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """One file or DCP directory of a checkpoint, as its layout found it.
+
+    Attributes:
+        path: The file or directory (an object or prefix, ``sources.remote.RemotePath``, in an
+            object store).
+        role: What it holds: "model", "optimizer", "adapter" or "any" (read by its own
+            structure).
+        reader: What opens it (``fsdpcheck.formats.readers``, or the layout's own for a storage
+            kind of its own): the layout names it, so opening never guesses from the path.
+    """
+
+    path: Path | RemotePath
+    role: str
+    reader: Reader
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"part {self.path}: role {self.role!r} is not one of {ROLES}")
+
+
 @dataclass
 class CheckpointInfo:
     """A recognised checkpoint.
@@ -137,11 +171,9 @@ class CheckpointInfo:
         layout: The name of one of ``fsdpcheck.formats.LAYOUTS``.
         kind: "sharded" (DCP chunks) or "full" (whole tensors).
         description: One line for humans.
-        parts: The files or DCP directories that hold its tensors (model first); objects or
-            prefixes (``sources.remote.RemotePath``) for a checkpoint in an object store.
+        parts: The files or DCP directories that hold its tensors (model first), each with its
+            role and its reader.
         notes: What is not read (e.g. DeepSpeed's flattened optimizer partitions).
-        roles: Each part's role ("model", "optimizer", "adapter" or "any": read by its own
-            structure), parallel to `parts`.
         training: Files of training state beside the tensors (scheduler, RNG, trainer state):
             named in notes, never read.
     """
@@ -150,16 +182,19 @@ class CheckpointInfo:
     layout: str
     kind: str
     description: str
-    parts: Sequence[Path | RemotePath] = field(default_factory=list)
+    parts: Sequence[Part] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    roles: list[str] = field(default_factory=list)
     training: list[Path] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.roles:
-            self.roles = ["any"] * len(self.parts)
-        if len(self.roles) != len(self.parts) or any(r not in ROLES for r in self.roles):
-            raise ValueError(f"roles {self.roles} do not fit parts {self.parts}")
+    @property
+    def paths(self) -> list[Path | RemotePath]:
+        """Each part's path, in order."""
+        return [p.path for p in self.parts]
+
+    @property
+    def roles(self) -> list[str]:
+        """Each part's role, in order."""
+        return [p.role for p in self.parts]
 
 
 class Probe:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
 
 
 class Dcp(CheckpointLayout):
@@ -15,4 +16,5 @@ class Dcp(CheckpointLayout):
         if not probe.is_dcp:
             return None
         p = probe.path
-        return CheckpointInfo(p, self.name, "sharded", f"a DCP checkpoint directory ({p})", [p])
+        what = f"a DCP checkpoint directory ({p})"
+        return CheckpointInfo(p, self.name, "sharded", what, [Part(p, "any", readers.dcp)])

@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
+from fsdpcheck.sources.ds_universal import is_model_states
 
-
-def is_model_states(name: str) -> bool:
-    """DeepSpeed model states (ZeRO-1/2: ``mp_rank_XX_...``; ZeRO-3: ``zero_pp_rank_R_...``)."""
-    return name.endswith("_model_states.pt") and "mp_rank_" in name
+__all__ = ["DeepSpeed", "is_model_states"]
 
 
 class DeepSpeed(CheckpointLayout):
@@ -39,7 +38,7 @@ class DeepSpeed(CheckpointLayout):
 
     def placeholder(self, info: CheckpointInfo, shape: tuple[int, ...]) -> str | None:
         """ZeRO-3 model states hold a (0,) stand-in for every partitioned parameter."""
-        zero3 = bool(info.parts) and info.parts[0].name.startswith("zero_pp_rank_")
+        zero3 = bool(info.parts) and info.parts[0].path.name.startswith("zero_pp_rank_")
         if zero3 and len(shape) > 0 and math.prod(shape) == 0:
             return (
                 f"an empty placeholder {shape}: DeepSpeed ZeRO-3 keeps the values in its "
@@ -69,7 +68,7 @@ class DeepSpeed(CheckpointLayout):
             self.name,
             "full",
             f"a DeepSpeed checkpoint ({folder.name}/{states[0].name})",
-            [states[0]],
+            [Part(states[0], "any", readers.torch_save)],
             notes,
         )
 

@@ -22,28 +22,26 @@ The ``zero/`` folder is read by ``fsdpcheck.sources.ds_universal``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
 from fsdpcheck.formats.deepspeed import is_model_states
+from fsdpcheck.sources.ds_universal import OPTIMIZER_STATE, UniversalZeroSource, model_states
+
+if TYPE_CHECKING:
+    from fsdpcheck.sources.base import Source
+    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.remote import RemotePath
 
 ZERO = "zero"
 LATEST = "latest_universal"
-OPTIMIZER_STATE = "optimizer_state.pt"
 
 
-def is_universal_zero(path: Path) -> bool:
-    """Whether `path` is the ``zero/`` folder of a universal checkpoint (model states beside it)."""
-    if path.name != ZERO or not path.is_dir():
-        return False
-    try:
-        return any(is_model_states(q.name) for q in path.parent.iterdir())
-    except OSError:
-        return False
-
-
-def model_states(folder: Path) -> list[Path]:
-    """The ``*mp_rank_*_model_states.pt`` files of a universal folder, in rank order."""
-    return sorted(q for q in folder.iterdir() if is_model_states(q.name) and q.is_file())
+def read_zero(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
+    """The reader of the ``zero/`` folder: each parameter's fp32 weight and moments, whole."""
+    del trust
+    return UniversalZeroSource(path)  # type: ignore[arg-type]  # a local path
 
 
 class DeepSpeedUniversal(CheckpointLayout):
@@ -85,9 +83,11 @@ class DeepSpeedUniversal(CheckpointLayout):
             self.name,
             "full",
             f"a DeepSpeed universal checkpoint ({folder.name}/: {ZERO}/, {states[0].name})",
-            [states[0], folder / ZERO],
+            [
+                Part(states[0], "any", readers.torch_save),
+                Part(folder / ZERO, "optimizer", read_zero),
+            ],
             notes,
-            roles=["any", "optimizer"],
         )
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, KeyGrammar, Probe
-from fsdpcheck.formats.transformers import (
-    BIN_INDEX_SUFFIX,
-    bin_index_folder,
-    safetensors_folder,
-)
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
+from fsdpcheck.formats.readers import BIN_INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX
+from fsdpcheck.formats.transformers import bin_index_folder, safetensors_folder
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -16,7 +14,6 @@ class Safetensors(CheckpointLayout):
     """A ``.safetensors`` file, a ``*.safetensors.index.json``, or a folder of them."""
 
     name = "safetensors"
-    grammar = KeyGrammar(flat_names=True)
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """By suffix (files) or by the files a folder holds."""
@@ -25,12 +22,13 @@ class Safetensors(CheckpointLayout):
             if probe.is_dcp:
                 return None
             return safetensors_folder(p, probe.names, self.name, "folder of safetensors")
-        if p.name.endswith(".safetensors.index.json"):
+        part = [Part(p, "any", readers.safetensors)]
+        if p.name.endswith(SAFETENSORS_INDEX_SUFFIX):
             return CheckpointInfo(
-                p, self.name, "full", f"a sharded safetensors index ({p.name})", [p]
+                p, self.name, "full", f"a sharded safetensors index ({p.name})", part
             )
         if p.suffix == ".safetensors":
-            return CheckpointInfo(p, self.name, "full", f"a safetensors file ({p.name})", [p])
+            return CheckpointInfo(p, self.name, "full", f"a safetensors file ({p.name})", part)
         return None
 
 
@@ -48,7 +46,8 @@ class TorchSave(CheckpointLayout):
             return bin_index_folder(p, probe.names, self.name, "sharded torch.save checkpoint")
         if p.name.endswith(BIN_INDEX_SUFFIX):
             what = f"a sharded torch.save checkpoint ({p.name})"
-            return CheckpointInfo(p, self.name, "full", what, [p], roles=["model"])
+            return CheckpointInfo(p, self.name, "full", what, [Part(p, "model", readers.bin_index)])
         if p.suffix not in TORCH_SAVE_SUFFIXES:
             return None
-        return CheckpointInfo(p, self.name, "full", f"a torch.save file ({p.name})", [p])
+        what = f"a torch.save file ({p.name})"
+        return CheckpointInfo(p, self.name, "full", what, [Part(p, "any", readers.torch_save)])

@@ -10,28 +10,30 @@ its boxes) and every rank keeps its part.
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
+from fsdpcheck.sources.hf_storage import SHARD_NAME, HFStorageSource, shard_files
+
+if TYPE_CHECKING:
+    from fsdpcheck.sources.base import Source
+    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.remote import RemotePath
+
+__all__ = ["SHARDED_DIR", "SHARD_NAME", "HFStorage", "read_shards", "shard_files"]
 
 SHARDED_DIR = "sharded"
-SHARD_NAME = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The per-rank shard files `path` names: the file itself, or those directly in a folder.
+def read_shards(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
+    """The reader of this layout's parts: a shard file, or a folder of them, read as one."""
+    del trust
+    return HFStorageSource(path)  # type: ignore[arg-type]  # a local path
 
-    Raises:
-        ValueError: The folder cannot be listed.
-    """
-    if not path.is_dir():
-        return [path] if SHARD_NAME.fullmatch(path.name) else []
-    try:
-        return sorted(path / n for n in os.listdir(path) if SHARD_NAME.fullmatch(n))
-    except OSError as exc:
-        raise ValueError(f"cannot list {path}: {exc.strerror or exc}") from None
+
+def _shards(path: Path) -> list[Part]:
+    return [Part(path, "any", read_shards)]
 
 
 def _describe(folder: Path, shards: list[Path]) -> str:
@@ -61,13 +63,13 @@ class HFStorage(CheckpointLayout):
             what = (
                 f"one rank's safetensors shard from torch's HuggingFaceStorageWriter ({path.name})"
             )
-            return CheckpointInfo(path, self.name, "full", what, [path], notes)
+            return CheckpointInfo(path, self.name, "full", what, _shards(path), notes)
         if probe.is_dcp:
             return None
         shards = shard_files(path)
         index = sorted(n for n in probe.names if n.endswith(".safetensors.index.json"))
         if shards and not index:
-            return CheckpointInfo(path, self.name, "full", _describe(path, shards), [path])
+            return CheckpointInfo(path, self.name, "full", _describe(path, shards), _shards(path))
         sharded = path / SHARDED_DIR
         shards = shard_files(sharded) if sharded.is_dir() else []
         if not shards:
@@ -89,5 +91,5 @@ class HFStorage(CheckpointLayout):
             "not finished): the per-rank shards are read"
         )
         return CheckpointInfo(
-            path, self.name, "full", _describe(sharded, shards), [sharded], [note]
+            path, self.name, "full", _describe(sharded, shards), _shards(sharded), [note]
         )

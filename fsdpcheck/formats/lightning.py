@@ -7,7 +7,8 @@ A LightningModule's keys carry its own attribute names (``model.`` for a module 
 
 from __future__ import annotations
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe, side_file_note
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe, side_file_note
 
 
 class Lightning(CheckpointLayout):
@@ -26,9 +27,10 @@ class Lightning(CheckpointLayout):
                 self.name,
                 "sharded",
                 f"a Lightning distributed checkpoint ({p})",
-                [p],
+                [Part(p, "any", readers.dcp)],
                 side_file_note(p, "meta.pt", "Lightning's non-tensor state (epoch, loops, ...)"),
             )
         if probe.is_dir or p.suffix != ".ckpt":
             return None
-        return CheckpointInfo(p, self.name, "full", f"a Lightning checkpoint file ({p.name})", [p])
+        what = f"a Lightning checkpoint file ({p.name})"
+        return CheckpointInfo(p, self.name, "full", what, [Part(p, "any", readers.torch_save)])

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 
+from fsdpcheck.formats import readers
 from fsdpcheck.formats.base import (
     CheckpointInfo,
     CheckpointLayout,
     KeyGrammar,
+    Part,
     Probe,
     side_file_note,
 )
@@ -45,6 +47,6 @@ class Megatron(CheckpointLayout):
             self.name,
             "sharded",
             f"a megatron-core dist_checkpointing directory ({str(backend)[:40]}, {p})",
-            [p],
+            [Part(p, "any", readers.dcp)],
             side_file_note(p, "common.pt", "megatron's non-tensor state (iteration, args, ...)"),
         )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
 from fsdpcheck.manifest import MANIFEST_NAME
 
 
@@ -16,6 +17,5 @@ class Native(CheckpointLayout):
         p = probe.path
         if not probe.is_dcp or not (p / MANIFEST_NAME).exists():
             return None
-        return CheckpointInfo(
-            p, self.name, "sharded", f"a DCP checkpoint written by fsdpcheck.save ({p})", [p]
-        )
+        what = f"a DCP checkpoint written by fsdpcheck.save ({p})"
+        return CheckpointInfo(p, self.name, "sharded", what, [Part(p, "any", readers.dcp)])

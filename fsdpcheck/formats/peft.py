@@ -8,7 +8,8 @@ and names the base weights as not in an adapter file.
 
 from __future__ import annotations
 
-from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Probe
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, CheckpointLayout, Part, Probe
 
 _FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -23,16 +24,16 @@ class Peft(CheckpointLayout):
         p = probe.path
         if not probe.is_dir:
             if p.name in _FILES and (p.parent / "adapter_config.json").is_file():
-                return CheckpointInfo(
-                    p, self.name, "full", f"a PEFT adapter ({p.name})", [p], roles=["adapter"]
-                )
+                what = f"a PEFT adapter ({p.name})"
+                part = Part(p, "adapter", readers.by_name(p))
+                return CheckpointInfo(p, self.name, "full", what, [part])
             return None
         if probe.is_dcp or not probe.has_file("adapter_config.json"):
             return None
         for name in _FILES:
             if probe.has_file(name):
+                part = Part(p / name, "adapter", readers.by_name(p / name))
                 return CheckpointInfo(
-                    p, self.name, "full", f"a PEFT adapter folder ({name})", [p / name],
-                    roles=["adapter"],
-                )  # fmt: skip
+                    p, self.name, "full", f"a PEFT adapter folder ({name})", [part]
+                )
         raise ValueError(f"{p} holds adapter_config.json but no {' or '.join(_FILES)}")

@@ -8,7 +8,8 @@ refused in one line that says what is supported.
 
 from __future__ import annotations
 
-from fsdpcheck.formats.base import CheckpointInfo
+from fsdpcheck.formats import readers
+from fsdpcheck.formats.base import CheckpointInfo, Part
 from fsdpcheck.formats.transformers import safetensors_folder
 from fsdpcheck.manifest import MANIFEST_NAME
 from fsdpcheck.sources.remote import RemotePath
@@ -35,10 +36,10 @@ def describe_remote(path: RemotePath) -> CheckpointInfo:
         name = path.name
         if name.endswith(".safetensors.index.json"):
             what = f"a sharded safetensors index ({name})"
-            return CheckpointInfo(path, "safetensors", "full", what, [path])
+            return CheckpointInfo(path, "safetensors", "full", what, [_safetensors(path)])
         if name.endswith(".safetensors"):
             what = f"a safetensors file ({name})"
-            return CheckpointInfo(path, "safetensors", "full", what, [path])
+            return CheckpointInfo(path, "safetensors", "full", what, [_safetensors(path)])
         if name == _METADATA:
             raise ValueError(f"{path} is a DCP .metadata file: pass its folder, {path.parent}")
         raise ValueError(_unsupported(path, "an object"))
@@ -46,14 +47,24 @@ def describe_remote(path: RemotePath) -> CheckpointInfo:
     if _METADATA in names:
         if MANIFEST_NAME in names:
             what = f"a DCP checkpoint written by fsdpcheck.save ({path})"
-            return CheckpointInfo(path, "fsdpcheck", "sharded", what, [path])
+            return CheckpointInfo(path, "fsdpcheck", "sharded", what, [_dcp(path)])
         what = f"a DCP checkpoint directory ({path})"
-        return CheckpointInfo(path, "dcp", "sharded", what, [path])
+        return CheckpointInfo(path, "dcp", "sharded", what, [_dcp(path)])
     files = {n for n, i in names.items() if not i.is_dir}
-    found = safetensors_folder(path, files, "safetensors", "folder of safetensors")
+    found = safetensors_folder(
+        path, files, "safetensors", "folder of safetensors", readers.remote_safetensors
+    )
     if found is not None:
         return found
     raise ValueError(_unsupported(path, "a prefix"))
+
+
+def _dcp(path: RemotePath) -> Part:
+    return Part(path, "any", readers.remote_dcp)
+
+
+def _safetensors(path: RemotePath) -> Part:
+    return Part(path, "any", readers.remote_safetensors)
 
 
 def _unsupported(path: RemotePath, what: str) -> str:

@@ -14,13 +14,17 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsdpcheck.formats import readers
 from fsdpcheck.formats.base import (
     CheckpointInfo,
     CheckpointLayout,
+    Part,
     Probe,
+    Reader,
     is_dcp_dir,
     training_note,
 )
+from fsdpcheck.formats.readers import BIN_INDEX_SUFFIX, SAFETENSORS_INDEX_SUFFIX
 
 if TYPE_CHECKING:
     from fsdpcheck.sources.remote import RemotePath
@@ -55,6 +59,15 @@ def trainer_files(folder: Path, optimizer: bool = True) -> list[Path]:
     return [model] + ([optim] if optim is not None else [])
 
 
+def trainer_parts(files: list[Path]) -> list[Part]:
+    """The parts of `trainer_files`: each with its role and its reader."""
+    model, *optim = files
+    role = "adapter" if model.name.startswith("adapter_") else "model"
+    return [Part(model, role, readers.by_name(model))] + [
+        Part(q, "optimizer", readers.by_name(q)) for q in optim
+    ]
+
+
 def _first(folder: Path, names: tuple[str, ...]) -> Path | None:
     for n in names:
         q = folder / n
@@ -73,12 +86,11 @@ class TrainerCheckpoint(CheckpointLayout):
         if not probe.is_dir or probe.is_dcp or not probe.has_file("trainer_state.json"):
             return None
         p = probe.path
-        parts = trainer_files(p)
-        roles = ["adapter" if parts[0].name.startswith("adapter_") else "model"]
-        roles += ["optimizer"] * (len(parts) - 1)
-        kind = "sharded" if is_dcp_dir(parts[0]) else "full"
+        files = trainer_files(p)
+        parts = trainer_parts(files)
+        kind = "sharded" if is_dcp_dir(files[0]) else "full"
         training = sorted(p / n for n in probe.names if _TRAINING.fullmatch(n))
-        what = ", ".join(q.name + ("/" if q.is_dir() else "") for q in parts)
+        what = ", ".join(q.name + ("/" if q.is_dir() else "") for q in files)
         return CheckpointInfo(
             p,
             self.name,
@@ -86,7 +98,6 @@ class TrainerCheckpoint(CheckpointLayout):
             f"a Hugging Face Trainer checkpoint ({what})",
             parts,
             training_note(training),
-            roles,
             training,
         )
 
@@ -101,14 +112,15 @@ class HuggingFace(CheckpointLayout):
         p = probe.path
         if not probe.is_dir:
             if p.name.endswith(INDEX_SUFFIXES) and (p.parent / "config.json").is_file():
-                what = "safetensors" if p.name.endswith(".safetensors.index.json") else "torch.save"
+                safe = p.name.endswith(SAFETENSORS_INDEX_SUFFIX)
+                what = "safetensors" if safe else "torch.save"
+                reader = readers.safetensors if safe else readers.bin_index
                 return CheckpointInfo(
                     p,
                     self.name,
                     "full",
                     f"a sharded {what} index ({p.name})",
-                    [p],
-                    roles=["model"],
+                    [Part(p, "model", reader)],
                 )
             return None
         if probe.is_dcp or "config.json" not in probe.names:
@@ -118,11 +130,8 @@ class HuggingFace(CheckpointLayout):
         )
 
 
-#: Index files of sharded checkpoints: safetensors, and torch.save shards (``pytorch_model-0000x-
-#: of-0000y.bin``, written by ``save_pretrained(safe_serialization=False)`` in older transformers,
-#: accelerate's ``save_model(safe_serialization=False)`` and ``zero_to_fp32`` without safetensors).
-BIN_INDEX_SUFFIX = ".bin.index.json"
-INDEX_SUFFIXES = (".safetensors.index.json", BIN_INDEX_SUFFIX)
+#: Index files of sharded checkpoints (``formats.readers``: what each names).
+INDEX_SUFFIXES = (SAFETENSORS_INDEX_SUFFIX, BIN_INDEX_SUFFIX)
 
 
 def bin_index_folder(p: Path, names: set[str], layout: str, what: str) -> CheckpointInfo | None:
@@ -135,14 +144,22 @@ def bin_index_folder(p: Path, names: set[str], layout: str, what: str) -> Checkp
             f"{p} holds {len(found)} torch.save indexes ({', '.join(found)}); pass the one to use"
         )
     info = f"a {what} ({found[0]})"
-    return CheckpointInfo(p, layout, "full", info, [p / found[0]], roles=["model"])
+    return CheckpointInfo(p, layout, "full", info, [Part(p / found[0], "model", readers.bin_index)])
 
 
 def safetensors_folder(
-    p: Path | RemotePath, names: set[str], layout: str, what: str
+    p: Path | RemotePath,
+    names: set[str],
+    layout: str,
+    what: str,
+    reader: Reader = readers.safetensors,
 ) -> CheckpointInfo | None:
-    """A folder of safetensors files (through its index when it has one), or None."""
-    index = sorted(n for n in names if n.endswith(".safetensors.index.json"))
+    """A folder of safetensors files (through its index when it has one), or None.
+
+    `reader`: the safetensors reader (``readers.remote_safetensors`` for a prefix in an object
+    store).
+    """
+    index = sorted(n for n in names if n.endswith(SAFETENSORS_INDEX_SUFFIX))
     tensors = sorted(n for n in names if n.endswith(".safetensors"))
     if index:
         if len(index) > 1:
@@ -150,9 +167,8 @@ def safetensors_folder(
                 f"{p} holds {len(index)} safetensors indexes ({', '.join(index)}); pass the one "
                 "to use"
             )
-        return CheckpointInfo(
-            p, layout, "full", f"a {what}, sharded ({index[0]})", [p / index[0]], roles=["model"]
-        )
+        what = f"a {what}, sharded ({index[0]})"
+        return CheckpointInfo(p, layout, "full", what, [Part(p / index[0], "model", reader)])
     if not tensors:
         return None
     return CheckpointInfo(
@@ -160,6 +176,5 @@ def safetensors_folder(
         layout,
         "full",
         f"a {what} ({', '.join(tensors[:3])}{', ...' if len(tensors) > 3 else ''})",
-        [p / t for t in tensors],
-        roles=["model"] * len(tensors),
+        [Part(p / t, "model", reader) for t in tensors],
     )

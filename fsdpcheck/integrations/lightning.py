@@ -27,8 +27,8 @@ import torch
 
 from fsdpcheck.dist.arguments import given
 from fsdpcheck.dist.runner import RankFailure, call
+from fsdpcheck.integrations._resume import ON_FAILURE, ResumeCheck, verify_resumed
 from fsdpcheck.report import Report
-from fsdpcheck.watch import ReplicaWatch, verify_resumed
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -38,7 +38,6 @@ except ImportError:  # pragma: no cover - the standalone pytorch_lightning packa
 __all__ = ["ON_FAILURE", "VerifyOnResume", "verify_after_load"]
 
 log = logging.getLogger(__name__)
-ON_FAILURE = ("raise", "stop", "warn")
 
 
 class _Optimizers:
@@ -54,7 +53,7 @@ def _one_optimizer(optimizers: list[Any]) -> Any:
     return optimizers[0] if len(optimizers) == 1 else _Optimizers(list(optimizers))
 
 
-class VerifyOnResume(Callback):
+class VerifyOnResume(ResumeCheck, Callback):
     """Verifies the model and optimizers after ``trainer.fit(ckpt_path=...)`` restored them.
 
     At ``on_train_start`` (after Lightning restored the weights and the optimizer state),
@@ -82,20 +81,14 @@ class VerifyOnResume(Callback):
         watch_every: int | None = None,
         **verify_kwargs: Any,
     ) -> None:
-        if on_failure not in ON_FAILURE:
-            raise ValueError(f"on_failure must be one of {ON_FAILURE}, not {on_failure!r}")
-        self.on_failure = on_failure
+        super().__init__(
+            on_failure=on_failure, watch_every=watch_every, verify_kwargs=verify_kwargs
+        )
         self.check_optimizer = check_optimizer
-        self.watch_every = watch_every
-        self.verify_kwargs = verify_kwargs
-        self.report: Report | None = None
-        self.watch_report: Report | None = None
-        self._watch: ReplicaWatch | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:  # noqa: D102
         optimizer = _one_optimizer(list(trainer.optimizers)) if self.check_optimizer else None
-        if self.watch_every is not None:
-            self._watch = ReplicaWatch(pl_module, optimizer, every=self.watch_every)
+        self.start_watch(pl_module, optimizer)
         path = trainer.ckpt_path
         with call("VerifyOnResume", None, self.verify_kwargs.get("timeout")) as c:
             # Every rank resumed, or none did: agreed before any other collective.
@@ -110,24 +103,15 @@ class VerifyOnResume(Callback):
         self._handle(trainer, self.report, f"resume from {path}")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:  # noqa: D102
-        if self._watch is None:
-            return
-        report = self._watch.step()
-        if report is not None:
-            self.watch_report = report
+        report = self.watch_step()
+        if report is not None and self._watch is not None:
             self._handle(trainer, report, f"replica watch at batch {self._watch.steps}")
 
     def _handle(self, trainer: Any, report: Report, what: str) -> None:
-        if report.ok:
-            if trainer.is_global_zero:
-                log.info("fsdpcheck: %s: %s", what, report.summary())
-            return
-        if self.on_failure == "raise":
-            report.raise_if_failed()
-        if trainer.is_global_zero:
-            log.error("fsdpcheck: %s failed:\n%s", what, report)
-        if self.on_failure == "stop":
+        def stop() -> None:
             trainer.should_stop = True
+
+        self.handle(report, what, log=log, leader=trainer.is_global_zero, stop=stop)
 
 
 def verify_after_load(

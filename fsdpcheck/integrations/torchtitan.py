@@ -15,8 +15,6 @@ it is ``fsdpcheck.verify`` against the step folder.
 from __future__ import annotations
 
 import functools
-import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +22,12 @@ import torch
 
 from fsdpcheck.dist.arguments import given
 from fsdpcheck.dist.runner import RankFailure, call
+from fsdpcheck.formats.torchtitan import latest_step_folder, step_of
+from fsdpcheck.integrations._resume import verify_resumed, write_checkpoint_manifest
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
-from fsdpcheck.saving import write_checkpoint_manifest
-from fsdpcheck.watch import verify_resumed
 
 __all__ = ["latest_step_folder", "save_manifests", "verify_after_load", "write_step_manifest"]
-
-_STEP = re.compile(r"step-(\d+)")
 
 
 def verify_after_load(
@@ -131,28 +127,13 @@ def _optimizers(checkpointer: Any, optimizers: Any) -> Any:
     return optimizers if optimizers is not None else checkpointer.states.get("optimizer")
 
 
-def latest_step_folder(folder: str | os.PathLike[str]) -> Path | None:
-    """The ``step-N`` folder with the largest N holding a checkpoint (as torchtitan picks it)."""
-    root = Path(folder)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for q in root.iterdir():
-        m = _STEP.fullmatch(q.name)
-        complete = (q / ".metadata").is_file() or (q / "model.safetensors.index.json").is_file()
-        if m and complete and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), q)
-    return best[1] if best else None
-
-
 def _loaded_folder(checkpointer: Any, step: int) -> tuple[Path | None, bool | str]:
     """(folder, model_only) of what ``load(step)`` read: model_only is True, False or "hf"."""
     root = Path(checkpointer.folder)
     found = latest_step_folder(root) if step == -1 else root / f"step-{step}"
     excluded = "optimizer" in getattr(checkpointer, "exclude_from_loading", [])
     if found is not None and found.is_dir():
-        n = int(found.name.split("-")[1])
-        return found, (n == 0 or excluded)
+        return found, (step_of(found) == 0 or excluded)
     if step != -1:
         raise FileNotFoundError(f"{found} does not exist: nothing was loaded from it")
     initial = getattr(checkpointer, "initial_load_path", None)

@@ -25,15 +25,18 @@ from transformers.utils import logging
 from fsdpcheck.dist.arguments import given
 from fsdpcheck.dist.runner import RankFailure, call
 from fsdpcheck.formats.transformers import OPTIMIZER_FILES, trainer_files
+from fsdpcheck.integrations._resume import (
+    ON_FAILURE,
+    ResumeCheck,
+    verify_resumed,
+    write_checkpoint_manifest,
+)
 from fsdpcheck.manifest import Manifest
 from fsdpcheck.report import Report
-from fsdpcheck.saving import write_checkpoint_manifest
-from fsdpcheck.watch import ReplicaWatch, verify_resumed
 
 __all__ = ["ON_FAILURE", "VerifyOnResume", "checkpoint_files"]
 
 log = logging.get_logger(__name__)
-ON_FAILURE = ("raise", "stop", "warn")
 
 
 def checkpoint_files(folder: str | os.PathLike[str], optimizer: bool = True) -> list[Path]:
@@ -45,7 +48,7 @@ def checkpoint_files(folder: str | os.PathLike[str], optimizer: bool = True) -> 
     return trainer_files(Path(folder), optimizer)
 
 
-class VerifyOnResume(TrainerCallback):
+class VerifyOnResume(ResumeCheck, TrainerCallback):
     """Verifies the model and optimizer after ``trainer.train(resume_from_checkpoint=...)``.
 
     Args:
@@ -75,17 +78,12 @@ class VerifyOnResume(TrainerCallback):
         watch_every: int | None = None,
         **verify_kwargs: Any,
     ) -> None:
-        if on_failure not in ON_FAILURE:
-            raise ValueError(f"on_failure must be one of {ON_FAILURE}, not {on_failure!r}")
+        super().__init__(
+            on_failure=on_failure, watch_every=watch_every, verify_kwargs=verify_kwargs
+        )
         self.checkpoint = checkpoint
-        self.on_failure = on_failure
         self.check_optimizer = check_optimizer
         self.write_manifest = write_manifest
-        self.watch_every = watch_every
-        self.verify_kwargs = verify_kwargs
-        self.report: Report | None = None
-        self.watch_report: Report | None = None
-        self._watch: ReplicaWatch | None = None
 
     def on_train_begin(  # noqa: D102
         self,
@@ -97,8 +95,7 @@ class VerifyOnResume(TrainerCallback):
         **_: Any,
     ) -> None:
         optimizer = optimizer if self.check_optimizer else None
-        if self.watch_every is not None:
-            self._watch = ReplicaWatch(model, optimizer, every=self.watch_every)
+        self.start_watch(model, optimizer)
 
         def locate() -> tuple[Path | None, list[Path]]:
             folder = self._resumed_from(args, state)
@@ -131,11 +128,8 @@ class VerifyOnResume(TrainerCallback):
         self._handle(state, control, self.report, f"resume from {folder}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:  # noqa: D102
-        if self._watch is None:
-            return
-        report = self._watch.step()
+        report = self.watch_step()
         if report is not None:
-            self.watch_report = report
             self._handle(state, control, report, f"replica watch at step {state.global_step}")
 
     def on_save(  # noqa: D102
@@ -170,16 +164,10 @@ class VerifyOnResume(TrainerCallback):
         return None
 
     def _handle(self, state: Any, control: Any, report: Report, what: str) -> None:
-        if report.ok:
-            if state.is_world_process_zero:
-                log.info(f"fsdpcheck: {what}: {report.summary()}")
-            return
-        if self.on_failure == "raise":
-            report.raise_if_failed()
-        if state.is_world_process_zero:
-            log.error(f"fsdpcheck: {what} failed:\n{report}")
-        if self.on_failure == "stop":
+        def stop() -> None:
             control.should_training_stop = True
+
+        self.handle(report, what, log=log, leader=state.is_world_process_zero, stop=stop)
 
 
 def write_folder_manifest(

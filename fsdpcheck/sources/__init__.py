@@ -1,6 +1,8 @@
 """Reference readers: DCP directory, torch.save file, safetensors, in-memory.
 
-The file readers are imported when a path of their kind is opened: the DCP reader pulls in
+A checkpoint path is opened part by part, each by the reader its layout named when it
+recognised the path (``formats.base.Part``; the readers, ``formats.readers``). The file readers
+are imported when a part of their kind is opened: the DCP reader pulls in
 torch.distributed.checkpoint (about a second of start-up), which a safetensors compare or
 ``fsdpcheck inspect`` of a file never needs.
 """
@@ -14,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdpcheck.errors import CheckpointError
-from fsdpcheck.formats import CheckpointInfo, describe_path
-from fsdpcheck.formats.ds_universal import is_universal_zero
 from fsdpcheck.sources.base import Entry, Region, Source
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
 from fsdpcheck.sources.remote import RemotePath
 
 if TYPE_CHECKING:
+    from fsdpcheck.formats import CheckpointInfo
     from fsdpcheck.sources.dcp import DCPSource, Verdicts
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
     "open_dcp",
     "open_info",
     "open_part",
-    "open_path",
     "open_source",
     "refuse_problems",
 ]
@@ -78,6 +78,11 @@ def open_source(reference: Any, *, trust: Verdicts | None = None) -> Source:
             f"reference must be a path, a mapping of tensors or an nn.Module, not "
             f"{type(reference).__name__}"
         )
+    # NOTE: imported here, not at the top: the layouts read their storage kinds' file names from
+    # the reader modules below this package (formats/hf_storage.py, formats/ds_universal.py),
+    # so the formats are imported after this package, not during it.
+    from fsdpcheck.formats import describe_path
+
     return open_info(describe_path(reference), trust=trust)
 
 
@@ -107,40 +112,15 @@ def checkpoint_notes(source: Source) -> list[str]:
 
 
 def open_part(info: CheckpointInfo, index: int, *, trust: Verdicts | None = None) -> Source:
-    """Part `index` of a recognised checkpoint, knowing its layout and role (its key grammar)."""
-    source = open_path(info.parts[index], trust=trust)
-    source.checkpoint, source.role = info, info.roles[index]
-    return source
+    """Part `index` of a recognised checkpoint, opened by the reader its layout named.
 
-
-def open_path(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
-    """One part of a checkpoint: a DCP directory, a safetensors file or index, a torch.save file.
-
-    Also a ``*.bin.index.json``, and torch's HuggingFaceStorageWriter shards (a folder or a file).
-    In an object store (a `RemotePath`): a DCP directory or safetensors. `trust`: as for
+    The source knows its checkpoint and its role (its key grammar). `trust`: as for
     `open_source` (DCP directories only).
     """
-    if isinstance(path, RemotePath):
-        return open_remote(path, trust=trust)
-    from fsdpcheck.sources import bin_index, hf_storage
-
-    if hf_storage.holds_shards(path):
-        return hf_storage.HFStorageSource(path)
-    if bin_index.is_bin_index(path):
-        return bin_index.BinIndexSource(path)
-    if is_universal_zero(path):
-        from fsdpcheck.sources.ds_universal import UniversalZeroSource
-
-        return UniversalZeroSource(path)
-    if path.is_dir():
-        from fsdpcheck.sources.dcp import DCPSource
-
-        return DCPSource(path, verdicts=trust)
-    from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
-
-    if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
-        return SafetensorsSource.from_path(path)
-    return TorchSaveSource(path)
+    part = info.parts[index]
+    source = part.reader(part.path, trust=trust)
+    source.checkpoint, source.role = info, part.role
+    return source
 
 
 def open_dcp(path: Path | RemotePath) -> DCPSource:
@@ -152,17 +132,6 @@ def open_dcp(path: Path | RemotePath) -> DCPSource:
     from fsdpcheck.sources.dcp import DCPSource
 
     return DCPSource(path)
-
-
-def open_remote(path: RemotePath, *, trust: Verdicts | None = None) -> Source:
-    """A DCP directory or safetensors in an object store (NOTE: [object storage] in remote)."""
-    if path.name.endswith((".safetensors", ".json")) or ".metadata" not in path.listing():
-        from fsdpcheck.sources.remote_files import RemoteSafetensorsSource
-
-        return RemoteSafetensorsSource.from_remote(path)
-    from fsdpcheck.sources.remote_dcp import RemoteDCPSource
-
-    return RemoteDCPSource(path, verdicts=trust)
 
 
 def refuse_problems(source: Source, where: object, action: str) -> None:

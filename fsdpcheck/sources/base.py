@@ -227,6 +227,9 @@ class Source(ABC):
 
     #: "dcp", "torch.save", "safetensors" or "memory".
     kind: str = ""
+    #: Whether its keys are single names with dots inside (safetensors), which the key model
+    #: reads as they are, never as nested paths.
+    flat_names: bool = False
     #: Where it came from, for messages.
     description: str = ""
     #: Whether tensors are stored as chunks (DCP): then `chunks` lists them.

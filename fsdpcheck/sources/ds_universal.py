@@ -26,15 +26,30 @@ from typing import Any
 import torch
 
 from fsdpcheck.errors import CheckpointError
-from fsdpcheck.formats.ds_universal import OPTIMIZER_STATE, model_states
 from fsdpcheck.sources.base import Entry, Problem, Region, Source, one_line
 from fsdpcheck.sources.files import TorchSaveSource
 
+#: DeepSpeed's optimizer settings (loss scaler, param groups) as DeepSpeed objects: not read.
+OPTIMIZER_STATE = "optimizer_state.pt"
 # Files kept open (mapped) at once; the others are opened again when read.
 _OPEN_FILES = 64
 # The non-tensor fields ds_to_universal writes beside "param" (constants.py: CAT_DIM,
 # VOCAB_TENSOR, SUB_PARAM_SHAPE, PARAM_N_SUB_PARAMS).
 _FIELDS = ("cat_dim", "vocab_tensor", "sub_param_shape", "param_n_sub_params")
+
+
+def is_model_states(name: str) -> bool:
+    """DeepSpeed model states (ZeRO-1/2: ``mp_rank_XX_...``; ZeRO-3: ``zero_pp_rank_R_...``).
+
+    The files beside a universal checkpoint's ``zero/`` folder, and what ``formats/deepspeed.py``
+    and ``formats/ds_universal.py`` recognise DeepSpeed's checkpoints by.
+    """
+    return name.endswith("_model_states.pt") and "mp_rank_" in name
+
+
+def model_states(folder: Path) -> list[Path]:
+    """The ``*mp_rank_*_model_states.pt`` files of a universal folder, in rank order."""
+    return sorted(q for q in folder.iterdir() if is_model_states(q.name) and q.is_file())
 
 
 @dataclass(frozen=True)

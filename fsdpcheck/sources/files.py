@@ -489,6 +489,7 @@ class SafetensorsSource(Source):
     """
 
     kind = "safetensors"
+    flat_names = True
 
     def __init__(
         self,

@@ -22,13 +22,13 @@ import itertools
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from fsdpcheck.formats.hf_storage import shard_files
 from fsdpcheck.sources.base import (
     CheckpointError,
     CoverageError,
@@ -51,12 +51,22 @@ _MAX_HEADER = 100_000_000
 _MAX_NUMEL = 1 << 62
 
 
-def holds_shards(path: Path) -> bool:
-    """Whether `path` is a shard file or a folder of them (what `HFStorageSource` opens)."""
+#: The name each rank gives its shard (``shard-<rank + 1>-model-<i>-of-<n>.safetensors``).
+SHARD_NAME = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The per-rank shard files `path` names: the file itself, or those directly in a folder.
+
+    Raises:
+        ValueError: The folder cannot be listed.
+    """
+    if not path.is_dir():
+        return [path] if SHARD_NAME.fullmatch(path.name) else []
     try:
-        return bool(shard_files(path))
-    except ValueError:
-        return False
+        return sorted(path / n for n in os.listdir(path) if SHARD_NAME.fullmatch(n))
+    except OSError as exc:
+        raise ValueError(f"cannot list {path}: {exc.strerror or exc}") from None
 
 
 class _Chunk(NamedTuple):
@@ -92,6 +102,7 @@ class HFStorageSource(Source):
     """
 
     kind = "safetensors"
+    flat_names = True
     is_sharded = True
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

@@ -6,6 +6,10 @@ with the same code. Each checkpoint is described by a ``Case``: where it is, the
 fsdpcheck must recognise, the canonical key names it holds, and the planted changes (key and
 global index) a comparison must name. Multi-rank cases are built by ``build_dist`` under
 ``torchrun`` (how users launch) and checked against live models by ``check_dist``.
+
+Each builder module exports ``CASES`` (a ``Cases``: its library, the case names it writes and
+how it is built); ``collect()`` finds them, for ``build_dist`` and ``tests/test_corpus.py``. A new
+builder is one module here.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import pkgutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +114,46 @@ def write_cases(path: Path, cases: list[Case]) -> None:
 def read_cases(path: Path) -> dict[str, Case]:
     """Cases written by ``write_cases``, by name."""
     return {d["name"]: Case.from_json(d) for d in json.loads(path.read_text())}
+
+
+@dataclass(frozen=True)
+class Cases:
+    """What one builder module writes, exported as its ``CASES``.
+
+    Attributes:
+        library: Its name in the corpus (the folder it builds into; the name a skipped build
+            is reported under).
+        requires: The module a missing install shows up as (the build is skipped without it).
+        layout: The layout fsdpcheck must recognise (of a skipped build's case).
+        names: The case names it writes.
+        live: Those of `names` that carry a live check (``Case.make_live``).
+        dist: Built by the one two-rank launch (``build(rank, world, root)`` in
+            ``build_dist``); False: in the test process (``build(root)``).
+        order: Builders run in this order in their launch (the order they were added in: what
+            one library's import leaves in the process, the later builders meet).
+    """
+
+    library: str
+    requires: str
+    layout: str
+    names: tuple[str, ...]
+    live: tuple[str, ...] = ()
+    dist: bool = True
+    order: int = 0
+    #: The builder module's ``build`` (``"module:build"``), filled in by ``collect``.
+    target: str = ""
+
+
+def collect() -> list[Cases]:
+    """Every builder module's ``CASES``, in build order (multi-rank builders first)."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        cases = getattr(module, "CASES", None)
+        if isinstance(cases, Cases):
+            target = f"{module.__name__}:build"
+            found.append(replace(cases, target=target))
+    return sorted(found, key=lambda c: (not c.dist, c.order, c.library))
 
 
 def resolve(target: str) -> Any:

@@ -12,11 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.accelerate_scenarios import accelerator
-from tests.corpus import Case, plant, toy_case, toy_model
+from tests.corpus import Case, Cases, plant, toy_case, toy_model
 from tests.corpus.live import Live, adamw, train_steps
 
 PLANT_WEIGHT = ("embed.weight", (9, 0))
 PLANT_MOMENT = ("head.weight", "exp_avg", (0, 7))
+
+
+CASES = Cases(
+    library="accelerate",
+    requires="accelerate",
+    layout="accelerate",
+    names=("accelerate", "accelerate_full"),
+    live=("accelerate", "accelerate_full"),
+    order=3,
+)
 
 
 def train(rank: int, world: int) -> Live:

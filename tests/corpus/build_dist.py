@@ -2,9 +2,9 @@
 
 Usage: torchrun --nproc-per-node 2 -m tests.corpus.build_dist OUT_DIR [LIBRARY ...]
 
-Each library's builder runs on all ranks; a library that is not installed, or whose save code
-cannot run here, becomes a Case with ``skip`` set to the reason. Rank 0 writes
-``OUT_DIR/cases.json``.
+Each multi-rank builder (a module of ``tests.corpus`` whose ``CASES`` says ``dist``) runs on all
+ranks; a library that is not installed, or whose save code cannot run here, becomes a Case with
+``skip`` set to the reason. Rank 0 writes ``OUT_DIR/cases.json``.
 """
 
 from __future__ import annotations
@@ -17,23 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.corpus import Case, resolve, write_cases
-
-# name -> (builder, the module a missing install shows up as, the expected layout)
-BUILDERS = {
-    "dcp": ("tests.corpus.dcp_plain:build", "torch", "dcp"),
-    "torchtitan": ("tests.corpus.titan:build", "torchtitan", "torchtitan"),
-    "lightning": ("tests.corpus.fabric:build", "lightning", "lightning"),
-    "accelerate": ("tests.corpus.accel:build", "accelerate", "accelerate"),
-    "deepspeed": ("tests.corpus.ds:build", "deepspeed", "deepspeed"),
-    "deepspeed_universal": ("tests.corpus.ds_universal:build", "deepspeed", "deepspeed_universal"),
-    "megatron": ("tests.corpus.megatron:build", "megatron.core", "megatron"),
-}
+from tests.corpus import Case, Cases, collect, resolve, write_cases
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    wanted = sys.argv[2:] or list(BUILDERS)
+    builders: dict[str, Cases] = {c.library: c for c in collect() if c.dist}
+    wanted = sys.argv[2:] or list(builders)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,7 +32,8 @@ def main() -> None:
     dist.barrier()
     cases: list[Case] = []
     for lib in wanted:
-        target, module, layout = BUILDERS[lib]
+        c = builders[lib]
+        target, module, layout = c.target, c.requires, c.layout
         lib_dir = out / lib
         if rank == 0:
             lib_dir.mkdir(exist_ok=True)

@@ -13,13 +13,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.corpus import TOY_FQNS, Case, Planted, optim_keys, plant, shard_toy, toy_case, toy_model
+from tests.corpus import (
+    TOY_FQNS,
+    Case,
+    Cases,
+    Planted,
+    optim_keys,
+    plant,
+    shard_toy,
+    toy_case,
+    toy_model,
+)
 from tests.corpus.live import Live, adamw, train_steps
 
 VARIANTS = ("fqn_nested", "fqn_flat", "ids_nested", "ids_flat")
 PLANT_WEIGHT = ("layers.1.proj.weight", (6, 3))
 PLANT_MOMENT = ("layers.0.proj.weight", "exp_avg", (2, 5))
 LIBRARY = f"torch {torch.__version__} distributed.checkpoint"
+
+
+CASES = Cases(
+    library="dcp",
+    requires="torch",
+    layout="dcp",
+    names=(*(f"dcp_{v}" for v in VARIANTS), "dcp_chunk_flipped"),
+    live=tuple(f"dcp_{v}" for v in VARIANTS),
+    order=0,
+)
 
 
 def train(rank: int, world: int) -> Live:

@@ -16,11 +16,20 @@ from typing import Any
 
 import torch
 
-from tests.corpus import Case, Planted
+from tests.corpus import Case, Cases, Planted
 
 # A plain MLP: DeepSpeed shards the flat buffer itself, no FSDP.
 DS_FQNS = ["0.bias", "0.weight", "2.bias", "2.weight"]
 PLANT_WEIGHT = ("2.weight", (3, 1))
+
+
+CASES = Cases(
+    library="deepspeed",
+    requires="deepspeed",
+    layout="deepspeed",
+    names=("deepspeed_zero2", "deepspeed_zero3"),
+    order=4,
+)
 
 
 def _mlp() -> torch.nn.Module:

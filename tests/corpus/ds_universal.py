@@ -17,12 +17,21 @@ from typing import Any
 
 import torch
 
-from tests.corpus import Case, Planted, optim_keys
+from tests.corpus import Case, Cases, Planted, optim_keys
 from tests.corpus.ds import DS_FQNS, train
 
 UNIVERSAL_STATES = ("exp_avg", "exp_avg_sq", "fp32", "step")
 PLANT_MASTER = ("2.weight", "fp32", (3, 1))
 PLANT_MOMENT = ("0.weight", "exp_avg", (5, 7))
+
+
+CASES = Cases(
+    library="deepspeed_universal",
+    requires="deepspeed",
+    layout="deepspeed_universal",
+    names=("deepspeed_universal",),
+    order=5,
+)
 
 
 def _bump(engine: Any, fqn: str, name: str, index: tuple[int, ...], delta: float) -> None:

@@ -11,11 +11,21 @@ from typing import Any
 
 import torch
 
-from tests.corpus import Case, plant, shard_toy, toy_case, toy_model
+from tests.corpus import Case, Cases, plant, shard_toy, toy_case, toy_model
 from tests.corpus.live import Live, adamw, train_steps
 
 PLANT_WEIGHT = ("layers.0.proj.bias", (3,))
 PLANT_MOMENT = ("norm.weight", "exp_avg", (4,))
+
+
+CASES = Cases(
+    library="lightning",
+    requires="lightning",
+    layout="lightning",
+    names=("lightning",),
+    live=("lightning",),
+    order=2,
+)
 
 
 def _parallelize(model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:

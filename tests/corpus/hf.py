@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.corpus import Case, Planted, plant
+from tests.corpus import Case, Cases, Planted, plant
 
 # 2 layers x 9 tensors + embed + final norm (+ lm_head when untied).
 LAYER_TENSORS = (
@@ -23,6 +23,17 @@ LAYER_TENSORS = (
     "self_attn.o_proj.weight",
     "self_attn.q_proj.weight",
     "self_attn.v_proj.weight",
+)
+
+
+CASES = Cases(
+    library="transformers",
+    requires="transformers",
+    layout="transformers",
+    names=("hf_tied_single", "hf_tied_sharded", "hf_untied_single", "hf_untied_sharded"),
+    live=("hf_tied_single", "hf_tied_sharded", "hf_untied_single", "hf_untied_sharded"),
+    dist=False,
+    order=0,
 )
 
 

@@ -13,12 +13,23 @@ from pathlib import Path
 
 import torch
 
-from tests.corpus import Case, Planted, plant
+from tests.corpus import Case, Cases, Planted, plant
 from tests.corpus.hf import make_untied, model_keys
 
 PLANTED = ("lm_head.weight", (5, 7))
 # Small enough that the 0.1 MB of weights make several shards.
 MAX_SHARD = "20KB"
+
+
+CASES = Cases(
+    library="hf_bin",
+    requires="transformers",
+    layout="torch.save",
+    names=("hf_bin_bare", "hf_bin_config"),
+    live=("hf_bin_bare", "hf_bin_config"),
+    dist=False,
+    order=1,
+)
 
 
 def save_model(model: torch.nn.Module, path: Path) -> None:

@@ -16,10 +16,19 @@ from typing import Any
 
 import torch
 
-from tests.corpus import TOY_FQNS, Case, MomentSpot, optim_keys, toy_case, toy_model
+from tests.corpus import TOY_FQNS, Case, Cases, MomentSpot, optim_keys, toy_case, toy_model
 
 PLANT_WEIGHT = ("layers.0.proj.weight", (6, 2))
 PLANT_MOMENT = ("layers.1.proj.weight", "exp_avg", (5, 3))
+
+
+CASES = Cases(
+    library="megatron",
+    requires="megatron.core",
+    layout="megatron",
+    names=("megatron",),
+    order=6,
+)
 
 
 @contextlib.contextmanager

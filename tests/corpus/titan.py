@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.corpus import Case, plant, shard_toy, toy_case, toy_model
+from tests.corpus import Case, Cases, plant, shard_toy, toy_case, toy_model
 from tests.corpus.live import Live, train_steps
 
 PLANT_WEIGHT = ("head.weight", (8, 2))
@@ -31,6 +31,16 @@ class _Stateful:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.state = dict(sd)
+
+
+CASES = Cases(
+    library="torchtitan",
+    requires="torchtitan",
+    layout="torchtitan",
+    names=("torchtitan",),
+    live=("torchtitan",),
+    order=1,
+)
 
 
 def train(rank: int, world: int) -> Live:
