@@ -241,13 +241,16 @@ FSDPCHECK_HD uint32_t special_word(uint32_t w) {
   return ((w & S::kMask) + S::kAdd) & S::kTop;
 }
 
-// Each dtype's Traits against its line of the table: the same storage type, and integer exactly
-// when the table says Int or Bool.
-#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND)                                   \
-  static_assert(std::is_same<Traits<DType::k##E>::Bits, BITS>::value,                     \
-                NAME ": Traits<D>::Bits is not the storage type of its dtypes.h line");  \
-  static_assert(Traits<DType::k##E>::kInteger == (DTypeKind::k##KIND != DTypeKind::kFloat), \
-                NAME ": Traits<D>::kInteger disagrees with the Kind of its dtypes.h line");
+// Each dtype's Traits against its line of the table: the same storage type, integer exactly
+// when the table says Int or Bool, and a float has its SpecialWords (the default, no special
+// values, would let the CUDA fast path miss its NaNs and infinities).
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND)                                     \
+  static_assert(std::is_same<Traits<DType::k##E>::Bits, BITS>::value,                       \
+                NAME ": Traits<D>::Bits is not the storage type of its dtypes.h line");    \
+  static_assert(Traits<DType::k##E>::kInteger == (DTypeKind::k##KIND != DTypeKind::kFloat),   \
+                NAME ": Traits<D>::kInteger disagrees with the Kind of its dtypes.h line");  \
+  static_assert(DTypeKind::k##KIND != DTypeKind::kFloat || SpecialWords<DType::k##E>::kTop != 0, \
+                NAME ": a float dtype needs its SpecialWords (NOTE: [special words])");
 FSDPCHECK_DTYPES(FSDPCHECK_X)
 #undef FSDPCHECK_X
 
