@@ -8,6 +8,10 @@ and peak RSS (``ru_maxrss`` of the child):
     write results pickled and unpickled, as the gather to the coordinator does, then one
     ``pickle.dump``), beside 1,024 sparse ``.distcp`` files of the sizes it names:
     ``fsdpcheck audit`` and ``fsdpcheck inspect --json``.
+  * ``shapes`` (or any of ``CHUNK_SHAPES`` by name): the same 1,024,000 chunks pickled the other
+    ways ``pickle.dump`` can write DCP's classes (path strings per entry, storage entries tensor
+    by tensor, offsets or sizes shared, protocols 2, 3 and 5, enum members by name, several at
+    once): ``fsdpcheck audit`` of each.
   * ``st``: one safetensors file of 1,000,000 tiny tensors: ``inspect`` and ``compare`` of the
     file with itself.
   * ``dcp``: a real ``dcp.save`` of 100,000 small tensors: ``inspect``, ``compare`` with
@@ -16,6 +20,7 @@ and peak RSS (``ru_maxrss`` of the child):
 Examples:
     python bench/bench_scale_offline.py --keep /tmp/fsdpcheck-scale
     python bench/bench_scale_offline.py --keep /tmp/fsdpcheck-scale --cases chunks --reps 3
+    python bench/bench_scale_offline.py --keep /tmp/fsdpcheck-scale --cases chunks,shapes
     python bench/bench_scale_offline.py --cases chunks --src /tmp/base  # an older checkout
 """
 
@@ -42,11 +47,40 @@ ST_ENTRIES = 1_000_000
 DCP_TENSORS = 100_000
 
 
-def build_chunks(root: Path) -> Path:
-    """A DCP directory whose .metadata lists 1,000 x 1,024 chunks (data files sparse)."""
+#: The ways ``pickle.dump`` can write the same 1,024,000 chunks (every one audits through the
+#: column runs: NOTE: [metadata columns] in ``fsdpcheck/sources/dcp_runs.py``). "chunks" is
+#: how ``dcp.save`` writes them; each other one changes one thing (the last, several).
+CHUNK_SHAPES: dict[str, dict[str, Any]] = {
+    "chunks": {},
+    # A fresh path string per storage entry (pickle writes it in full each time, not a memo
+    # reference): a writer that builds the file name per entry.
+    "chunks-fresh-paths": {"paths": "fresh"},
+    # storage_data tensor by tensor (every rank's entry of a tensor, then the next tensor).
+    "chunks-by-tensor": {"order": "tensor"},
+    # Each MetadataIndex holds its chunk's own offsets object (a memo reference into the chunk).
+    "chunks-shared-offsets": {"offsets": "shared"},
+    # Every chunk of a rank shares one sizes object (a memo reference into an earlier chunk).
+    "chunks-shared-sizes": {"sizes": "shared"},
+    "chunks-p2": {"protocol": 2},
+    "chunks-p3": {"protocol": 3},
+    "chunks-p5": {"protocol": 5},
+    # Enum members pickled by name, as CPython 3.11.0-3.11.3 does (``getattr(Enum, NAME)``).
+    "chunks-enum-names": {"enums": "names"},
+    "chunks-mixed": {"paths": "fresh", "order": "tensor", "offsets": "shared", "protocol": 2},
+}
+
+
+def build_chunks(root: Path, shape: str = "chunks") -> Path:
+    """A DCP directory whose .metadata lists 1,000 x 1,024 chunks (data files sparse).
+
+    `shape` names one of `CHUNK_SHAPES`: the same metadata, pickled another way.
+    """
+    import copyreg
+
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
+        _MEM_FORMAT_ENCODING,
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
@@ -55,7 +89,8 @@ def build_chunks(root: Path) -> Path:
         TensorStorageMetadata,
     )
 
-    path = root / "chunks_dcp"
+    how = CHUNK_SHAPES[shape]
+    path = root / f"{shape.replace('-', '_')}_dcp"
     if (path / ".metadata").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
@@ -66,22 +101,36 @@ def build_chunks(root: Path) -> Path:
         n: TensorStorageMetadata(props, torch.Size([RANKS * ROWS_PER_RANK, COLS]), [])
         for n in names
     }
-    storage: dict[Any, Any] = {}
+    per_rank: list[list[Any]] = []
     for rank in range(RANKS):
         rel = f"__{rank}_0.distcp"
+        sizes = torch.Size([ROWS_PER_RANK, COLS])
         chunks, results = [], []
         for i, n in enumerate(names):
             off = torch.Size([rank * ROWS_PER_RANK, 0])
-            chunks.append((n, ChunkStorageMetadata(off, torch.Size([ROWS_PER_RANK, COLS]))))
-            info = _StorageInfo(rel, i * chunk_bytes, chunk_bytes)
-            results.append((MetadataIndex(n, off), info))
+            size = sizes if how.get("sizes") == "shared" else torch.Size([ROWS_PER_RANK, COLS])
+            chunk = ChunkStorageMetadata(off, size)
+            chunks.append((n, chunk))
+            idx = MetadataIndex(n, off)
+            if how.get("offsets") == "shared":
+                object.__setattr__(idx, "offset", chunk.offsets)
+            # "fresh": a new string object per entry (an f-string builds one each time).
+            where = f"__{rank}_0.distcp" if how.get("paths") == "fresh" else rel
+            results.append((idx, _StorageInfo(where, i * chunk_bytes, chunk_bytes)))
         # Each rank's plan and results reach the coordinator pickled (distinct objects per rank).
         chunks, results = pickle.loads(pickle.dumps((chunks, results)))
         for n, c in chunks:
             state[n].chunks.append(c)
-        storage.update(results)
+        per_rank.append(results)
         with open(path / rel, "wb") as f:
             f.truncate(TENSORS * chunk_bytes)
+    storage: dict[Any, Any] = {}
+    if how.get("order") == "tensor":
+        for i in range(TENSORS):
+            storage.update(results[i] for results in per_rank)
+    else:
+        for results in per_rank:
+            storage.update(results)
     md = Metadata(
         state_dict_metadata=state,
         planner_data={n: (n,) for n in names},
@@ -89,8 +138,15 @@ def build_chunks(root: Path) -> Path:
         storage_meta=StorageMeta(checkpoint_id=str(path)),
         version="1.0.0",
     )
-    with open(path / ".metadata.tmp", "wb") as f:
-        pickle.dump(md, f)
+    by_name = how.get("enums") == "names"
+    if by_name:  # CPython 3.11.2's Enum.__reduce_ex__
+        copyreg.pickle(_MEM_FORMAT_ENCODING, lambda m: (getattr, (type(m), m.name)))
+    try:
+        with open(path / ".metadata.tmp", "wb") as f:
+            pickle.dump(md, f, protocol=how.get("protocol", pickle.DEFAULT_PROTOCOL))
+    finally:
+        if by_name:
+            copyreg.dispatch_table.pop(_MEM_FORMAT_ENCODING, None)
     os.replace(path / ".metadata.tmp", path / ".metadata")
     return path
 
@@ -133,8 +189,12 @@ def build_dcp(root: Path) -> Path:
     return path
 
 
-def run(argv: list[str]) -> tuple[float, int, int, str]:
-    """(wall s, peak RSS bytes, exit code, first line of stderr)."""
+def run(argv: list[str]) -> tuple[float, int, int, str, float]:
+    """(wall s, peak RSS bytes, exit code, last line of stderr, CPU s).
+
+    CPU seconds (user + system of the child) are printed beside wall time: on a machine shared
+    with other jobs they move far less than the wall time does.
+    """
     with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=fo, stderr=fe, cwd=REPO)
@@ -142,7 +202,8 @@ def run(argv: list[str]) -> tuple[float, int, int, str]:
         wall = time.perf_counter() - t0
         fe.seek(0)
         err = fe.read().decode(errors="replace").strip().splitlines()
-    return wall, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), (err or [""])[-1]
+    cpu = usage.ru_utime + usage.ru_stime
+    return wall, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), (err or [""])[-1], cpu
 
 
 def main() -> None:
@@ -160,7 +221,9 @@ def main() -> None:
         "fsdpcheck/ holds the built extension)",
     )
     args = ap.parse_args()
-    builders = {"chunks": build_chunks, "st": build_st, "dcp": build_dcp}
+    builders: dict[str, Any] = {"st": build_st, "dcp": build_dcp}
+    for shape in CHUNK_SHAPES:
+        builders[shape] = lambda root, shape=shape: build_chunks(root, shape)
     if args.build:
         print(builders[args.build](args.keep))
         return
@@ -187,6 +250,9 @@ def main() -> None:
             ("1M chunks: audit", [*fsd, "audit", d]),
             ("1M chunks: inspect", [*fsd, "inspect", d]),
         ]
+    for shape in CHUNK_SHAPES:
+        if shape != "chunks" and (shape in cases or "shapes" in cases):
+            rows.append((f"1M {shape}: audit", [*fsd, "audit", built(shape)]))
     if "st" in cases:
         f = built("st")
         rows += [
@@ -208,10 +274,13 @@ def main() -> None:
         runs = [run(argv) for _ in range(args.reps)]
         wall = statistics.median(r[0] for r in runs)
         rss = max(r[1] for r in runs)
-        results.append({"name": name, "wall": wall, "rss": rss, "rc": runs[-1][2]})
+        cpu = statistics.median(r[4] for r in runs)
+        results.append({"name": name, "wall": wall, "cpu": cpu, "rss": rss, "rc": runs[-1][2]})
         tail = runs[-1][3][:80]
         print(
-            f"{name:36} {wall:7.2f} s {rss / 2**20:8.0f} MB  rc={runs[-1][2]}  {tail}", flush=True
+            f"{name:36} {wall:7.2f} s {cpu:7.2f} s CPU {rss / 2**20:8.0f} MB  rc={runs[-1][2]}  "
+            f"{tail}",
+            flush=True,
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

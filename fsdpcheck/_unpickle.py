@@ -1,6 +1,6 @@
 """What a DCP ``.metadata`` may name: no code from a checkpoint ever runs.
 
-`admitted_global` is the allowlist the metadata reader (``fsdpcheck.sources.dcp_pickle``, a
+`admitted_global` is the allowlist the metadata reader (``fsdpcheck.sources.dcp_vm``, a
 restricted pickle machine) resolves every global through: DCP's metadata classes (or
 fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in ``fsdpcheck.sources.dcp_metadata``)
 and plain data; every other global is refused.
@@ -101,7 +101,7 @@ def admitted_global(
     Admitted: DCP's metadata classes (or, with `resolve`, what it builds for them: the mirrors
     of ``fsdpcheck.sources.dcp_metadata``), torch dtypes/layouts/memory formats,
     ``torch.Size``, pure paths, DCP's enums and plain containers. The reader of DCP metadata
-    (``fsdpcheck.sources.dcp_pickle``) asks this for every global a file names.
+    (``fsdpcheck.sources.dcp_vm``) asks this for every global a file names.
 
     Raises:
         UnsafePickleError: Anything else (nothing is imported).

@@ -125,7 +125,7 @@ def _audit_dcp(
     session: Session | None = None,
 ) -> tuple[int, CheckpointKeys]:
     # DCP's own modules are never imported (NOTE: [DCP-free metadata] in dcp_metadata), and
-    # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_pickle), whose check
+    # .metadata is read once, into columns (NOTE: [metadata columns] in dcp_runs), whose check
     # gives the structural findings and whose source reads the data for --deep.
     source = open_dcp(p)
     try:

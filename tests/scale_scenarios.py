@@ -177,6 +177,76 @@ def torchtitan(w: World) -> Any:
 
 
 @scenario(*WORLDS)
+def against_manifest(w: World) -> Any:
+    from fsdpcheck.loading import check_against_manifest
+
+    manifest = fsdpcheck.read_manifest(w.ckpts["saved"])
+    return counted(lambda: check_against_manifest(w.base.model, manifest, w.ckpts["saved"]))
+
+
+def _accelerate_folder(w: World, name: str) -> Path:
+    """What accelerate's ``save_state`` (FSDP, sharded state dict) writes for model 0: the
+    model's state under "model" in ``pytorch_model_fsdp_0/`` by DCP."""
+    folder = w.workdir / name
+    dcp.save({"model": get_model_state_dict(w.base.model)},
+             checkpoint_id=str(folder / "pytorch_model_fsdp_0"))  # fmt: skip
+    return folder
+
+
+@scenario(*WORLDS)
+def resumed(w: World) -> Any:
+    """verify_resumed: by fingerprint where a manifest is, against the files where none is."""
+    from fsdpcheck.watch import verify_resumed
+
+    plain = _accelerate_folder(w, "resumed") / "pytorch_model_fsdp_0"
+    return {
+        "manifest": counted(lambda: verify_resumed(w.base.model, w.ckpts["saved"])),
+        "files": counted(lambda: verify_resumed(w.base.model, plain)),
+    }
+
+
+def _called(fn: Callable[[], Any], report: Callable[[], Any]) -> dict[str, Any]:
+    """`counted` for a callback: the Report it keeps, not what it returns."""
+    out = counted(fn)
+    out.update({k: v for k, v in counted(report).items() if k != "rank_local"})
+    return out
+
+
+@scenario(*WORLDS)
+def integrations(w: World) -> Any:
+    """The trainer integrations' resume checks, through their own code: accelerate's
+    verify_state on a save_state folder, Lightning's and transformers' VerifyOnResume on a
+    resumed run (the trainers reduced to what the callbacks read of them)."""
+    from fsdpcheck.integrations.accelerate import verify_state
+    from fsdpcheck.integrations.lightning import VerifyOnResume as LightningResume
+
+    folder = _accelerate_folder(w, "accelerate")
+    accelerator = SimpleNamespace(_models=[w.base.model], _optimizers=[])
+    out = {"accelerate": counted(lambda: verify_state(accelerator, folder))}
+    lightning = LightningResume(check_optimizer=False)
+    trainer = SimpleNamespace(
+        ckpt_path=str(w.ckpts["saved"]), optimizers=[], is_global_zero=w.rank == 0
+    )
+    out["lightning"] = _called(lambda: lightning.on_train_start(trainer, w.base.model),
+                               lambda: lightning.report)  # fmt: skip
+    try:
+        from fsdpcheck.integrations.transformers import VerifyOnResume
+    except ImportError:  # a venv without transformers: the test says so
+        out["transformers"] = {"absent": "transformers"}
+        return out
+    hf = VerifyOnResume(checkpoint=str(folder), check_optimizer=False)
+    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(w.workdir))
+    from transformers import TrainerControl, TrainerState
+
+    state = TrainerState(global_step=3, is_world_process_zero=w.rank == 0)
+    out["transformers"] = _called(
+        lambda: hf.on_train_begin(args, state, TrainerControl(), model=w.base.model),
+        lambda: hf.report,
+    )
+    return out
+
+
+@scenario(*WORLDS)
 def counter(w: World) -> Any:
     """The counter itself, on collectives whose sizes are known."""
     with count_collectives() as counts:

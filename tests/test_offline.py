@@ -239,6 +239,7 @@ def test_mirror_metadata_reads_as_dcps_own_classes(
     from torch.distributed.checkpoint import metadata as dcp_md
 
     from fsdpcheck._unpickle import ADMITTED
+    from fsdpcheck.sources import dcp_index
     from fsdpcheck.sources import dcp_metadata as mirror
 
     # Every DCP class the unpickler admits has a mirror, so no valid file reads differently.
@@ -257,7 +258,7 @@ def test_mirror_metadata_reads_as_dcps_own_classes(
         assert _metadata_summary(ours) == _metadata_summary(
             dcp.FileSystemReader(path).read_metadata()
         )
-        assert mirror.check_storage(path, ours) == mirror.check_storage(path, theirs)
+        assert dcp_index.check_storage(path, ours) == dcp_index.check_storage(path, theirs)
         assert mirror.planner_paths(ours) == mirror.planner_paths(theirs)
     # The mirror index is equal and hashed by (fqn, offset) like DCP's, the hint ignored.
     a, b = mirror.MetadataIndex("w", [3, 0], index=1), mirror.MetadataIndex("w", (3, 0))

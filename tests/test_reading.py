@@ -52,6 +52,9 @@ def write_dcp(
     shared: bool = False,
     values: dict[str, Any] | None = None,
     transform: str | None = None,
+    paths: str = "shared",
+    order: str = "rank",
+    offsets: str = "own",
 ) -> Path:
     """Each tensor cut along `dim` into `ranks` chunks (torch.chunk), rank r's in its own file.
 
@@ -59,6 +62,12 @@ def write_dcp(
     objects per rank: fqn strings are new in every storage record). `shared` makes every chunk
     of a tensor share one ``sizes`` object (a later record then refers back into an earlier
     one). `transform` puts a storage transform descriptor on the first chunk's entry.
+
+    The other ways ``pickle.dump`` writes the same metadata (NOTE: [any pickling] in
+    ``dcp_runs``): `paths` "fresh" builds a new path string per storage entry (written in full
+    each time, not as a memo reference); `order` "tensor" lists storage entries tensor by
+    tensor (every rank's entry of a tensor, then the next tensor); `offsets` "shared" gives
+    each ``MetadataIndex`` its chunk's own offsets object (a reference into the chunk).
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -77,6 +86,7 @@ def write_dcp(
         state[k] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.size(), [])
     for k in values or {}:
         state[k] = BytesStorageMetadata()
+    per_rank: list[list[Any]] = []
     split = {}  # each tensor's chunks, with where each starts
     for k, t in tensors.items():
         if t.dim():
@@ -99,9 +109,14 @@ def write_dcp(
                     off[min(dim, t.dim() - 1)] = start
                 at = blob.tell()
                 torch.save(piece.clone(), blob)
-                info = _StorageInfo(rel, at, blob.tell() - at)
-                chunks.append((k, ChunkStorageMetadata(torch.Size(off), piece.size())))
-                results.append((MetadataIndex(k, off), info))
+                where = f"__{rank}_0.distcp" if paths == "fresh" else rel  # a new string each
+                info = _StorageInfo(where, at, blob.tell() - at)
+                chunk = ChunkStorageMetadata(torch.Size(off), piece.size())
+                chunks.append((k, chunk))
+                idx = MetadataIndex(k, off)
+                if offsets == "shared":
+                    object.__setattr__(idx, "offset", chunk.offsets)
+                results.append((idx, info))
         if rank == 0:
             for k, v in (values or {}).items():
                 at = blob.tell()
@@ -111,7 +126,13 @@ def write_dcp(
         chunks, results = pickle.loads(pickle.dumps((chunks, results)))
         for k, c in chunks:
             state[k].chunks.append(c)
-        storage.update(results)
+        per_rank.append(results)
+    if order == "tensor":  # each key's entries (every rank's), key after key
+        for k in [*tensors, *(values or {})]:
+            storage.update((i, v) for results in per_rank for i, v in results if i.fqn == k)
+    else:
+        for results in per_rank:
+            storage.update(results)
     if shared:
         for m in state.values():
             if isinstance(m, TensorStorageMetadata) and m.chunks:
@@ -206,6 +227,9 @@ def checkpoints(draw: st.DrawFn) -> dict[str, Any]:
         "shared": draw(st.booleans()),
         "values": draw(st.sampled_from([None, {"opt.lr": 0.1, "opt.step": 3}])),
         "transform": draw(st.sampled_from([None, "stream.zstd/1"])),
+        "paths": draw(st.sampled_from(["shared", "fresh"])),
+        "order": draw(st.sampled_from(["rank", "tensor"])),
+        "offsets": draw(st.sampled_from(["own", "shared"])),
     }
 
 
@@ -224,28 +248,108 @@ def test_streamed_metadata_equals_the_unpickler_and_dcp(
     assert streamed == trusted_summary(path)
 
 
-def test_runs_are_read_as_columns_and_a_reference_into_one_falls_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tensors = {f"layers.{i}.weight": torch.arange(64.0 * (i + 1)).view(-1, 4) for i in range(3)}
-    fresh = write_dcp(tmp_path / "fresh", tensors, 8)
-    streamed, objects, runs = read_both(fresh, monkeypatch)
-    assert streamed == objects == trusted_summary(fresh)
-    assert runs > 0  # the chunk records were read as columns, not op by op
-    # Every chunk shares the first chunk's sizes object: later records refer back into a run's
-    # memo slots, which columns cannot answer; the file is read again, every record an object.
-    shared = write_dcp(tmp_path / "shared", tensors, 8, shared=True)
-    passes = []
+def columns_read(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], int, int]:
+    """Reads ``.metadata`` with column runs: (each pass's `columns`, chunk and storage records
+    read as objects rather than in runs)."""
+    from fsdpcheck.sources.dcp_metadata import _mirror
+
+    passes: list[bool] = []
     real = dcp_pickle._read
 
     def watch(*a: Any) -> Any:
-        passes.append(a[-1])  # columns?
+        passes.append(a[-1])
         return real(*a)
 
     monkeypatch.setattr(dcp_pickle, "_read", watch)
-    streamed, objects, _ = read_both(shared, monkeypatch)
-    assert passes[:2] == [True, False]  # the column pass gave up, the object pass read it
-    assert streamed == objects == trusted_summary(shared)
+    with open(path / ".metadata", "rb") as f:
+        parsed = dcp_pickle.read_metadata_stream(f.fileno(), "m", _mirror, 1 << 30)
+    monkeypatch.undo()
+    md = parsed.metadata
+    chunks = sum(1 for m in md.state_dict_metadata.values() for c in getattr(m, "chunks", ())
+                 if type(c) is not dcp_pickle.ChunkRun)  # fmt: skip
+    return passes, chunks, len(md.storage_data)
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "how",
+    [
+        {},  # as dcp.save writes it
+        {"paths": "fresh"},
+        {"order": "tensor"},
+        {"offsets": "shared"},
+        {"shared": True},
+        {"paths": "fresh", "order": "tensor", "offsets": "shared", "shared": True},
+    ],
+    ids=["dcp-save", "fresh-paths", "by-tensor", "shared-offsets", "shared-sizes", "all"],
+)
+def test_every_way_of_pickling_is_read_as_columns(
+    how: dict[str, Any], protocol: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE: [any pickling]: whatever pickle.dump shares and whatever protocol it writes, the
+    records are read in runs (in one pass: no reference sends the file back to objects) and
+    give what the object read and DCP's own classes give."""
+    tensors = {f"layers.{i}.weight": torch.arange(64.0 * (i + 1)).view(-1, 4) for i in range(3)}
+    tensors["layers.scale"] = torch.ones(5)  # 1-d (another template), fewer chunks than ranks
+    path = write_dcp(tmp_path / "ck", tensors, 8, protocol=protocol, **how)
+    passes, plain_chunks, plain_entries = columns_read(path, monkeypatch)
+    assert passes == [True]
+    # The first record of each kind is read op by op (the names its pattern needs are memoized
+    # inside it), and a record whose fresh path has a length not seen before: nothing else.
+    assert plain_chunks <= 2, plain_chunks
+    assert plain_entries <= 2, plain_entries
+    streamed, objects, _ = read_both(path, monkeypatch)
+    assert streamed == objects == trusted_summary(path)
+
+
+def test_a_reference_into_a_record_read_as_columns_reads_the_file_as_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk object listed twice (pickle refers back to the object): columns cannot answer
+    for a record object, so the file is read again, every record an object, and reads the same."""
+    tensors = {f"layers.{i}.weight": torch.arange(64.0 * (i + 1)).view(-1, 4) for i in range(3)}
+    path = write_dcp(tmp_path / "fresh", tensors, 8)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    chunks = md.state_dict_metadata["layers.2.weight"].chunks
+    chunks.append(chunks[3])
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    passes, _, _ = columns_read(path, monkeypatch)
+    assert passes == [True, False]  # the column pass gave up, the object pass read it
+    streamed, objects, _ = read_both(path, monkeypatch)
+    assert streamed == objects == trusted_summary(path)
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_binput_naming_another_slot_reads_as_objects_read_it(
+    protocol: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Protocols 2 and 3 name the slot each BINPUT sets: a run whose records name other slots
+    than MEMOIZE would set is not columns' to answer (read as objects, the same outcome)."""
+    tensors = {f"layers.{i}.weight": torch.arange(64.0 * (i + 1)).view(-1, 4) for i in range(3)}
+    path = write_dcp(tmp_path / "ck", tensors, 8, protocol=protocol)
+    raw = (path / ".metadata").read_bytes()
+    outcomes = set()
+    # Every BINPUT (q, one byte) of the last tensor's chunk records, its slot moved by one.
+    at = raw.index(b"layers.2.weight")
+    puts = [i for i in range(at, len(raw) - 1) if raw[i] == ord("q")][:40]
+    for i in puts:
+        bad = bytearray(raw)
+        bad[i + 1] = (bad[i + 1] + 1) % 256
+        (path / ".metadata").write_bytes(bytes(bad))
+        objects = _outcome(path, 1 << 40)
+        streamed = _outcome(path, 0)
+        assert streamed == objects if objects[0] == "ok" else streamed[0] == "error"
+        outcomes.add(objects[0])
+    # The records were found and moved, and a moved slot is not always harmless: both kinds of
+    # outcome were compared (a test that only ever saw one would prove half of it).
+    assert len(puts) >= 8, puts
+    assert outcomes == {"ok", "error"}, outcomes
+    (path / ".metadata").write_bytes(raw)
+    assert passes_once(path, monkeypatch)
+
+
+def passes_once(path: Path, monkeypatch: pytest.MonkeyPatch) -> bool:
+    return columns_read(path, monkeypatch)[0] == [True]
 
 
 def test_real_sharded_saves_stream_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,9 @@ version of a replica that disagrees), its exact size is pinned.
 
 from __future__ import annotations
 
+import ast
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,19 +22,43 @@ from tests.scale_scenarios import KEYS, REGISTRY, WORLDS
 
 SCENARIOS_MODULE = "tests.scale_scenarios"
 SMALL, LARGE = WORLDS
-# Entry point -> its scenario and where its result sits in it.
+REPO = Path(__file__).resolve().parent.parent
+# Entry point -> its scenario, where its result sits in it, and the name it gives the step
+# runner (``fsdpcheck.dist.runner.call``): every such name of the package is measured here, or
+# pinned where `PINNED_ELSEWHERE` says (test_every_collective_entry_point_is_measured).
 ENTRY_POINTS = {
-    "verify": ("verify", ()),
-    "verify, a planted element": ("verify_planted", ()),
-    "fingerprint": ("fingerprint", ()),
-    "check_replicas": ("check_replicas", ()),
-    "ReplicaWatch.step": ("watch_step", ()),
-    "load(verify='fingerprint')": ("load_fingerprint", ()),
-    "load(verify='full', sentinel=True)": ("load_full", ()),
-    "save": ("save", ()),
-    "write_checkpoint_manifest": ("checkpoint_manifest", ()),
-    "torchtitan: save with save_manifests": ("torchtitan", ("save",)),
-    "torchtitan: verify_after_load": ("torchtitan", ("verify_after_load",)),
+    "verify": ("verify", (), "verify"),
+    "verify, a planted element": ("verify_planted", (), "verify"),
+    "fingerprint": ("fingerprint", (), "fingerprint"),
+    "check_replicas": ("check_replicas", (), "check_replicas"),
+    "ReplicaWatch.step": ("watch_step", (), "ReplicaWatch.step"),
+    "load(verify='fingerprint')": ("load_fingerprint", (), "fsdpcheck.load"),
+    "load(verify='full', sentinel=True)": ("load_full", (), "fsdpcheck.load"),
+    "save": ("save", (), "fsdpcheck.save"),
+    "write_checkpoint_manifest": ("checkpoint_manifest", (), "write_checkpoint_manifest"),
+    "check_against_manifest": ("against_manifest", (), "check_against_manifest"),
+    "verify_resumed, a manifest": ("resumed", ("manifest",), "verify_resumed"),
+    "verify_resumed, the files": ("resumed", ("files",), "verify_resumed"),
+    "torchtitan: save with save_manifests": (
+        "torchtitan",
+        ("save",),
+        "torchtitan write_step_manifest",
+    ),
+    "torchtitan: verify_after_load": (
+        "torchtitan",
+        ("verify_after_load",),
+        "torchtitan verify_after_load",
+    ),
+    "accelerate: verify_state": ("integrations", ("accelerate",), "accelerate verify_state"),
+    "lightning: VerifyOnResume": ("integrations", ("lightning",), "VerifyOnResume"),
+    "transformers: VerifyOnResume": ("integrations", ("transformers",), "VerifyOnResume"),
+}
+# Step-runner names whose bytes per rank are pinned by another test (the test named).
+PINNED_ELSEWHERE = {
+    "the launch": (
+        "tests/test_offline_dist.py",
+        "test_bytes_received_per_rank_do_not_grow_with_the_world",
+    ),
 }
 # Entry points that run DCP underneath (its collectives are counted apart).
 WITH_DCP = {
@@ -51,8 +77,10 @@ def _at(result: Any, path: tuple[str, ...]) -> Any:
 
 def counts(spawns: Spawns, world: int, entry: str) -> list[dict[str, Any]]:
     """Every rank's counts of one entry point at one world size, by origin."""
-    name, path = ENTRY_POINTS[entry]
-    spawns.result(SCENARIOS_MODULE, world, name)  # ran cleanly, every rank agrees
+    name, path, _ = ENTRY_POINTS[entry]
+    agreed = _at(spawns.result(SCENARIOS_MODULE, world, name), path)  # every rank agrees
+    if "absent" in agreed:
+        pytest.skip(f"{agreed['absent']} is not installed")
     per_rank = spawns.per_rank(SCENARIOS_MODULE, world, name)
     return [_at(r, path)["rank_local"]["counts"] for r in per_rank]
 
@@ -64,8 +92,40 @@ def ours(per_rank: list[dict[str, Any]]) -> tuple[set[int], int]:
 
 
 def test_every_scenario_is_an_entry_point_or_the_counter() -> None:
-    used = {name for name, _ in ENTRY_POINTS.values()}
+    used = {name for name, _, _ in ENTRY_POINTS.values()}
     assert set(REGISTRY.scenarios) == used | {"replica_differs", "counter"}
+
+
+def _runner_names() -> dict[str, list[str]]:
+    """Each name the package passes to the step runner's ``call``, with where."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((REPO / "fsdpcheck").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "call"
+            ):
+                first = node.args[0] if node.args else None
+                where = f"{path.relative_to(REPO)}:{node.lineno}"
+                assert isinstance(first, ast.Constant) and isinstance(first.value, str), (
+                    f"{where}: a step runner call named by a literal string, so this test sees it"
+                )
+                found.setdefault(first.value, []).append(where)
+    return found
+
+
+def test_every_collective_entry_point_is_measured() -> None:
+    """A collective entry point (a ``call`` of the step runner) cannot skip this test: its
+    name is in ENTRY_POINTS, measured here, or its bytes per rank are pinned elsewhere."""
+    names = _runner_names()
+    assert "verify" in names and "fingerprint" in names, names  # the scan finds them
+    measured = {tag for _, _, tag in ENTRY_POINTS.values()} | set(PINNED_ELSEWHERE)
+    unmeasured = {n: w for n, w in names.items() if n not in measured}
+    assert not unmeasured, f"entry points whose bytes per rank no test measures: {unmeasured}"
+    assert measured <= set(names), measured - set(names)  # no stale name
+    for file, test in PINNED_ELSEWHERE.values():
+        assert f"def {test}(" in (REPO / file).read_text(), (file, test)
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
@@ -107,6 +167,10 @@ def test_reports_are_what_they_should_be(spawns: Spawns) -> None:
         assert result("fingerprint")["keys"] == KEYS
         assert result("save")["keys"] == result("checkpoint_manifest")["keys"] == KEYS
         assert result("torchtitan")["verify_after_load"]["ok"]
+        assert result("against_manifest")["ok"]
+        assert result("resumed")["manifest"]["ok"] and result("resumed")["files"]["ok"]
+        for name, got in result("integrations").items():
+            assert "absent" in got or (got["ok"] and got["keys_checked"] == KEYS), (name, got)
         planted = result("verify_planted")
         assert planted["findings"] == [["p.5", "value", 1]], planted
         assert result("replica_differs")["findings"] == [["p.3", "replica", 1]]

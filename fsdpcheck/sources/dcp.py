@@ -51,7 +51,7 @@ class DCPSource(Source):
     straight into the destination (on the model's device). No process group is needed.
 
     Opening reads ``.metadata`` once, as it streams in, into columns (restricted, DCP-free:
-    NOTE: [DCP-free metadata] in ``dcp_metadata``, NOTE: [metadata columns] in ``dcp_pickle``),
+    NOTE: [DCP-free metadata] in ``dcp_metadata``, NOTE: [metadata columns] in ``dcp_runs``),
     and checks it (``dcp_index.check``: tiling, one stat per data file); `problems` then lists
     gaps, overlaps, chunks outside the shape and storage entries that cannot be read. A read
     that touches a gap raises `CoverageError`; one that touches an overlap or an unreadable

@@ -1,13 +1,14 @@
 """A DCP checkpoint's ``.metadata`` as columns: read once, checked once, searched by bisection.
 
-`open_index` reads ``.metadata`` (streamed, NOTE: [metadata columns] in ``dcp_pickle``) into a
+`open_index` reads ``.metadata`` (streamed, NOTE: [metadata columns] in ``dcp_runs``) into a
 `DcpIndex`: per tensor its shape, dtype and a range of rows in shared column tensors (each
 chunk's offsets and sizes, and where its storage entry's bytes lie), per value its storage
 entry. Nothing holds an object per chunk: ~56 bytes per chunk of a 2-d tensor in all, where
 DCP's own objects take ~2.2 KB.
 
-`check` finds what ``dcp_metadata.check_storage`` finds (the same one-line messages) with
-tensor ops over every chunk at once, stat'ing each data file once; `DcpIndex.overlapping`
+`check` is the one structural checker of DCP metadata (columns read from the stream, and,
+through `check_storage`, objects already read): tensor ops over every chunk at once, stat'ing
+each data file once; `DcpIndex.overlapping`
 answers "which chunks of this key meet this box" in O(log n + hits) for chunks that form a
 grid (stacked along one dim, 2-d grids, ...), the layouts sharded saves write.
 
@@ -44,6 +45,8 @@ from fsdpcheck.sources.base import (
 from fsdpcheck.sources.dcp_metadata import (
     MAX_METADATA,
     METADATA_FILE,
+    Position,
+    StorageCheck,
     _mirror,
     chunk_finding,
     is_tensor_meta,
@@ -52,6 +55,7 @@ from fsdpcheck.sources.dcp_metadata import (
     planner_paths,
     position,
     short_data,
+    storage_by_position,
     validate_metadata,
 )
 from fsdpcheck.sources.dcp_pickle import (
@@ -307,7 +311,7 @@ def read_parsed(root: Path | RemotePath, columns: bool | None = None) -> Parsed:
     Files of `SMALL` bytes and more read their runs of chunk and storage records as columns;
     smaller ones are read into objects (fewer records than the fast path's set-up is worth).
     Every file goes through the same restricted machine: no unpickler whose memo a file can
-    size (NOTE: [metadata columns] in ``dcp_pickle``).
+    size (NOTE: [metadata columns] in ``dcp_runs``).
 
     Raises:
         FileNotFoundError / PermissionError / CheckpointError / UnsafePickleError: as
@@ -375,6 +379,8 @@ def open_index(
     torch.set_num_threads(1)
     try:
         parsed = read_parsed(root)
+        if parsed.nbytes >= 4 << 20:
+            _trim()  # the windows and records of the read, before the columns are built
         try:
             index = build_index(parsed, root)
         except Fallback:
@@ -401,7 +407,7 @@ def build_index(parsed: Parsed, root: Path | RemotePath) -> DcpIndex:
     """
     md = parsed.metadata
     what = f"DCP metadata {root / METADATA_FILE}"
-    runs = bool(parsed.chunk_runs or parsed.storage_runs)
+    runs = bool(parsed.runs)
     try:
         validate_metadata(md, what)
     except RecursionError:
@@ -614,15 +620,16 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str, runs: bool) -> None:
         from_runs.append(len(fi) - 1)
         wh.append(run.where)
         tr.append(torch.full((n,), -1, dtype=torch.int32))
+        # Offsets padded (or cut) to D columns; an entry of more dims than any key matches none.
         d = run.offsets.shape[1]
         if d == D:
             o = run.offsets
         else:
             o = torch.zeros(n, D, dtype=torch.int64)
-            if d < D:
-                o[:, :d] = run.offsets
+            o[:, : min(d, D)] = run.offsets[:, : min(d, D)]
         off.append(o)
-        nd.append(torch.full((n,), d if d <= D else -2, dtype=torch.int8))
+        dims = run.ndims.to(torch.int8)
+        nd.append(torch.where(dims > D, -2, dims).to(torch.int8))
         del run
     plain(items[at:])
     if from_runs:
@@ -710,24 +717,30 @@ def _join(index: DcpIndex, e_off: torch.Tensor, e_nd: torch.Tensor, runs: bool) 
 
         e_code, e_in = code(kk, e_off)
         e_code = torch.where(ok & e_in, e_code, -1)
+        del e_in, ok, kk
         if runs:
             codes = torch.sort(e_code[e_code >= 0]).values
             if bool((codes[1:] == codes[:-1]).any()):
                 raise Fallback("two storage entries at one position")
+            del codes
             others = (e_code < 0).nonzero().flatten().tolist()  # rare: Python is fine
             seen = {(int(index.entry_names[e]), int(e_nd[e]), tuple(e_off[e].tolist()))
                     for e in others}  # fmt: skip
             if len(seen) != len(others):
                 raise Fallback("two storage entries at one position")
-        c_code, c_in = code(c_key, index.coords[:, :D])
-        for k in c_key[~c_in].unique().tolist():
-            slow.add(k)  # a chunk outside its shape: its key is joined in Python
-        order = torch.sort(e_code, stable=True)
-        sorted_codes = order.values
-        at = torch.searchsorted(sorted_codes, c_code, right=True) - 1
-        hit = (at >= 0) & (sorted_codes[at.clamp(min=0)] == c_code) & c_in
-        index.entry[:] = torch.where(hit, order.indices[at.clamp(min=0)], -1).to(torch.int32)
-        del order, sorted_codes, at, hit, c_code, c_in, e_code, e_in
+        sorted_codes, order = torch.sort(e_code, stable=True)
+        del e_code
+        # The chunks' positions looked up a block at a time (bounded temporaries).
+        coords = index.coords[:, :D]
+        for lo in range(0, rows, _BLOCK):
+            hi = min(rows, lo + _BLOCK)
+            c_code, c_in = code(c_key[lo:hi], coords[lo:hi])
+            for k in c_key[lo:hi][~c_in].unique().tolist():
+                slow.add(k)  # a chunk outside its shape: its key is joined in Python
+            at = (torch.searchsorted(sorted_codes, c_code, right=True) - 1).clamp(min=0)
+            hit = (sorted_codes[at] == c_code) & c_in & (c_code >= 0)
+            index.entry[lo:hi] = torch.where(hit, order[at], -1).to(torch.int32)
+        del order, sorted_codes
     for k in sorted(slow):
         key = index.keys[k]
         if key in index.odd or not index.count[k]:
@@ -799,7 +812,13 @@ def _more_than(sizes: torch.Tensor, mask: torch.Tensor, cap: torch.Tensor) -> to
 
 
 def check(index: DcpIndex) -> StorageProblems:
-    """Every structural problem ``check_storage`` finds, over columns (one stat per file)."""
+    """Every structural problem of the checkpoint that shows without reading data.
+
+    Per tensor: chunks with the wrong number of dims or outside the global shape, chunks that
+    leave gaps ("gap") or overlap, chunks without a storage entry, and chunks whose stored
+    bytes are fewer than their elements need. Per storage entry: a path outside the directory,
+    a missing or non-regular file, bytes past the end of the file. One stat per data file.
+    """
     out = StorageProblems()
     root = index.root
     n_entries = index.entry_where.shape[0]
@@ -930,7 +949,7 @@ def check(index: DcpIndex) -> StorageProblems:
                     bad.setdefault(i, entry_bad[e])
         if not bad:
             del out.bad_chunks[key]
-    # As check_storage: every entry that must not be read, once per (key, reason): storage
+    # Every entry that must not be read, once per (key, reason): storage
     # entries by file first, then chunks whose data is shorter than they declare.
     final = [(index.names[int(index.entry_names[e])], why) for e, why in entry_bad.items()]
     final += declared
@@ -940,6 +959,29 @@ def check(index: DcpIndex) -> StorageProblems:
             seen.add((key, why))
             problems.append((key, "error", why))
     return out
+
+
+def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
+    """`check` of metadata already read into objects (the mirrors or DCP's own classes).
+
+    The one structural checker: the objects are made into the same columns a streamed read
+    gives (`build_index`, no column runs) and checked by `check`, so a checkpoint handed to
+    ``dcp.load`` is judged exactly as ``audit`` and ``compare`` judge it.
+
+    Raises:
+        CheckpointError: `md` is not well-typed DCP metadata (as `validate_metadata`).
+    """
+    index = build_index(Parsed(md), Path(root))
+    found = check(index)
+    bad: dict[Position, str] = {}
+    for key, whys in found.bad_chunks.items():
+        boxes = index.chunks(key)
+        for i, why in whys.items():
+            bad[(key, tuple(boxes[i][0]))] = why
+    for key, why in found.bad_values.items():
+        bad[(key, None)] = why
+    return StorageCheck(found.findings, bad, found.overlapping, found.gaps,
+                        storage_by_position(md))  # fmt: skip
 
 
 def _check_odd(
@@ -952,7 +994,7 @@ def _check_odd(
     entry_bad: dict[int, str],
     out: StorageProblems,
 ) -> list[tuple[str, str]]:
-    """`check` for a key whose chunks have odd dims (chunk by chunk, as ``check_storage``).
+    """`check` for a key whose chunks have odd dims (chunk by chunk, as ``chunk_finding``).
 
     Returns:
         (key, reason) of its chunks whose data is shorter than they declare.

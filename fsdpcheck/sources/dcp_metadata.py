@@ -28,10 +28,9 @@ import torch
 
 from fsdpcheck._unpickle import ADMITTED
 from fsdpcheck.errors import CheckpointError, UnsafePickleError
-from fsdpcheck.sources.base import Problem, file_problem, open_regular
+from fsdpcheck.sources.base import Problem, open_regular
 from fsdpcheck.sources.base import show_value as _show
 from fsdpcheck.sources.dcp_pickle import ChunkRun
-from fsdpcheck.sources.tiling import tiling_problems
 
 __all__ = [
     "METADATA_FILE",
@@ -43,7 +42,6 @@ __all__ = [
     "StorageInfo",
     "TensorProperties",
     "TensorStorageMetadata",
-    "check_storage",
     "planner_paths",
     "position",
     "read_dcp_metadata",
@@ -318,7 +316,7 @@ def validate_metadata(md: Any, what: str) -> None:
 
     Accepts the mirror classes of this module and DCP's own. Values that are well typed but
     inconsistent (gaps, chunks outside the shape, entries past the end of a file) are not
-    errors here: `check_storage` reports them as problems.
+    errors here: ``dcp_index.check`` reports them as problems.
 
     Raises:
         CheckpointError: One line naming the field.
@@ -346,7 +344,7 @@ def validate_metadata(md: Any, what: str) -> None:
                 raise CheckpointError(f"{what}: {key}: chunks is not a list")
             for c in chunks:
                 if type(c) is ChunkRun:
-                    continue  # chunks read as columns (dcp_pickle): integers by construction
+                    continue  # chunks read as columns (dcp_runs): integers by construction
                 if not isinstance(c, chunk_kinds):
                     raise CheckpointError(f"{what}: {key}: a chunk is a {type(c).__name__}")
                 _ints(getattr(c, "offsets", None), what, f"{key}: chunk offsets",
@@ -430,7 +428,7 @@ def is_tensor_meta(meta: Any) -> bool:
 
 @dataclass
 class StorageCheck:
-    """What `check_storage` found.
+    """What ``dcp_index.check_storage`` found.
 
     Attributes:
         findings: ``(key, kind, message)`` in metadata order, kind "gap", "layout" (a chunk
@@ -531,64 +529,3 @@ def planner_paths(md: Any) -> dict[str, tuple[str, ...]]:
 def storage_by_position(md: Any) -> dict[Position, Any]:
     """``md.storage_data`` keyed by `position` (one lookup per chunk, no index objects built)."""
     return {position(idx): info for idx, info in md.storage_data.items()}
-
-
-def check_storage(root: str | os.PathLike[str], md: Any) -> StorageCheck:
-    """Every structural problem of a DCP checkpoint that can be found without reading data.
-
-    Per tensor: chunks with the wrong number of dims or outside the global shape, chunks that
-    leave gaps ("gap") or overlap, chunks without a storage entry, and chunks whose stored bytes
-    are fewer than their elements need. Per storage entry: a path outside the directory, a
-    missing or non-regular file, bytes past the end of the file. One stat per data file.
-    """
-    root = Path(root)
-    problems: list[Problem] = []
-    bad: dict[Position, str] = {}
-    overlapping: set[str] = set()
-    gaps: set[str] = set()
-    ends: dict[str, list[tuple[Position, int]]] = {}
-    storage = storage_by_position(md)
-    for pos, info in storage.items():
-        ends.setdefault(info.relative_path, []).append((pos, info.offset + info.length))
-    for rel, items in ends.items():
-        last = max(e for _, e in items)
-        why = file_problem(root, rel, last, "storage entry")
-        if why is None:
-            continue
-        for pos, end in items:
-            why_here = file_problem(root, rel, end, "its data") if "ends at byte" in why else why
-            if why_here is not None:
-                bad[pos] = why_here
-    for key, meta in md.state_dict_metadata.items():
-        if not is_tensor_meta(meta):
-            if (key, None) not in storage:
-                problems.append((key, "missing", "no storage entry holds this value"))
-            continue
-        shape = tuple(meta.size)
-        boxes = []
-        itemsize = meta.properties.dtype.itemsize
-        for c in meta.chunks:
-            off, size = tuple(c.offsets), tuple(c.sizes)
-            info = storage.get((key, off))
-            stored = None if info is None else info.length
-            coded = bool(info is not None and info.transform_descriptors)
-            found, live = chunk_finding(off, size, shape, itemsize, stored, coded)
-            if live:
-                boxes.append((off, size))
-            if found is not None:
-                problems.append((key, *found))
-                if found[0] == "error":
-                    bad.setdefault((key, off), found[1])
-        for p in tiling_problems(shape, boxes):
-            if p.startswith("gap"):
-                gaps.add(key)
-                problems.append((key, "gap", f"{p}: no saved chunk holds this region"))
-            else:
-                overlapping.add(key)
-                problems.append((key, "layout", p))
-    seen = {(key, why) for key, kind, why in problems if kind == "error"}  # listed already
-    for (fqn, _), why in bad.items():
-        if (fqn, why) not in seen:
-            seen.add((fqn, why))
-            problems.append((fqn, "error", why))
-    return StorageCheck(problems, bad, overlapping, gaps, storage)

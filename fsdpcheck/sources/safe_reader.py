@@ -31,10 +31,9 @@ from torch.futures import Future
 from fsdpcheck._unpickle import load_weights_only
 from fsdpcheck.errors import CheckpointError, describe_error
 from fsdpcheck.sources.base import one_line, open_regular
-from fsdpcheck.sources.dcp_index import DcpIndex
+from fsdpcheck.sources.dcp_index import DcpIndex, check_storage
 from fsdpcheck.sources.dcp_metadata import (
     StorageCheck,
-    check_storage,
     planner_paths,
     position,
     read_dcp_metadata,
