@@ -57,6 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS_CU = ROOT / "csrc" / "cuda" / "compare_kernels.cu"
 KERNELS_H = ROOT / "csrc" / "cuda" / "compare_kernels.h"
+DTYPES_H = ROOT / "csrc" / "fsdpcheck" / "dtypes.h"
 
 # The machine (H200 SXM).
 SMS = 132
@@ -72,20 +73,17 @@ THREADS = 256
 SEGMENT = 32  # vectors per thread per segment (kSegment)
 VEC_UNROLL = 2  # kVecUnroll
 
-DTYPE_CODES = {
-    0: ("float64", 8),
-    1: ("float32", 4),
-    2: ("float16", 2),
-    3: ("bfloat16", 2),
-    4: ("float8_e4m3fn", 1),
-    5: ("float8_e5m2", 1),
-    6: ("int8", 1),
-    7: ("int16", 2),
-    8: ("int32", 4),
-    9: ("int64", 8),
-    10: ("uint8", 1),
-    11: ("bool", 1),
-}
+
+def dtype_codes(header: Path = DTYPES_H) -> dict[int, tuple[str, int]]:
+    """DType code -> (name, bytes), read from the kernels' dtype table (its X(...) lines)."""
+    row = re.compile(r'^\s*X\(\s*\w+\s*,\s*(\d+)\s*,\s*"(\w+)"\s*,\s*\w+\s*,\s*(\d+)\s*,', re.M)
+    codes = {int(c): (name, int(size)) for c, name, size in row.findall(header.read_text())}
+    if not codes:
+        raise SystemExit(f"sass_report: no dtype table found in {header}")
+    return codes
+
+
+DTYPE_CODES = dtype_codes()
 # The dtypes the report covers, and the kernel that fingerprints each size alone.
 REPORTED = ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8"]
 RAW_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}

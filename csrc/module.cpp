@@ -58,17 +58,31 @@ std::string row_layout() {
   return out;
 }
 
+// One line per compiled dtype, from the table (dtypes.h): what Python's SUPPORTED_DTYPES and
+// every per-dtype table in Python are held to.
+std::string dtype_lines() {
+  std::string out;
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND)                                    \
+  out += std::string("dtype\t") + NAME + " code=" + std::to_string(CODE) +                \
+         " size=" + std::to_string(SIZE) + " kind=" +                                      \
+         fsdpcheck::dtype_kind_name(fsdpcheck::DTypeKind::k##KIND) + "\n";
+  FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
+  return out;
+}
+
 PyObject* build_info(PyObject*, PyObject*) {
   std::string info = fsdpcheck::backends_summary();
   info += "torch\t" FSDPCHECK_TORCH_VERSION "\n";
   info += row_layout();
+  info += dtype_lines();
   return PyUnicode_FromStringAndSize(info.data(), static_cast<Py_ssize_t>(info.size()));
 }
 
 PyMethodDef kMethods[] = {
     {"build_info", build_info, METH_NOARGS,
-     "Tab-separated lines: each compiled backend and its details, the torch built against, and "
-     "the word of each field of a compare row."},
+     "Tab-separated lines: each compiled backend and its details, the torch built against, "
+     "the word of each field of a compare row, and each compiled dtype (name, code, size, kind)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "fsdpcheck's compiled operators.", -1,

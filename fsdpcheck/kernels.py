@@ -18,7 +18,9 @@ from fsdpcheck._ext import _C
 from fsdpcheck.box import Box, unravel
 
 __all__ = [
+    "KERNEL_DTYPES",
     "SUPPORTED_DTYPES",
+    "KernelDType",
     "TensorDiff",
     "build_info",
     "compare",
@@ -26,22 +28,47 @@ __all__ = [
     "fingerprint_tensors",
 ]
 
-SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.bool,
-    }
+
+@dataclass(frozen=True, slots=True)
+class KernelDType:
+    """One dtype the compiled kernels compare, as the extension's dtype table lists it.
+
+    Attributes:
+        name: torch's name for it (``getattr(torch, name)`` is the dtype).
+        code: Its code in the kernels' metadata (not stored in any file format).
+        size: Bytes per element.
+        kind: ``"float"`` (NaN and infinities possible), ``"int"`` or ``"bool"``.
+    """
+
+    name: str
+    code: int
+    size: int
+    kind: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype."""
+        return getattr(torch, self.name)  # type: ignore[no-any-return]
+
+
+def _parse_dtype(detail: str) -> KernelDType:
+    # "float64 code=0 size=8 kind=float" (module.cpp's dtype_lines).
+    name, *fields = detail.split()
+    kv = {k: v for k, _, v in (f.partition("=") for f in fields)}
+    return KernelDType(name, int(kv["code"]), int(kv["size"]), kv["kind"])
+
+
+# NOTE: [one dtype table] The dtypes come from the extension (csrc/fsdpcheck/dtypes.h, through
+# build_info), in the table's order: every per-dtype table in Python (tolerances, sentinels, the
+# safetensors names) is tested against this tuple, so a dtype added to the C++ table cannot be
+# missing from them unnoticed.
+KERNEL_DTYPES: tuple[KernelDType, ...] = tuple(
+    _parse_dtype(detail)
+    for name, _, detail in (line.partition("\t") for line in _C.build_info().splitlines())
+    if name == "dtype"
 )
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(k.dtype for k in KERNEL_DTYPES)
+
 #: Fingerprint v1 arithmetic is modulo 2**64.
 MASK64 = (1 << 64) - 1
 # Columns of an operator row, bound once from ops.COLUMNS (the one definition in Python).
@@ -252,23 +279,30 @@ def build_info() -> dict[str, object]:
     Returns:
         A dict with ``backends`` (backend name -> details, e.g. ``{"cpu": "simd=x86-64-v3"}``),
         ``torch_built_against``, ``row_layout`` (field -> word of a compare row, read from the
-        C++ struct), ``torch`` (the running version) and ``cuda_available``.
+        C++ struct), ``dtypes`` (name -> its ``code``, ``size`` in bytes and ``kind``, for every
+        compiled dtype, from the C++ dtype table), ``torch`` (the running version) and
+        ``cuda_available``.
     """
     backends: dict[str, str] = {}
     built_against = ""
     row: dict[str, int] = {}
+    dtypes: dict[str, dict[str, object]] = {}
     for line in _C.build_info().splitlines():
         name, _, detail = line.partition("\t")
         if name == "torch":
             built_against = detail
         elif name == "row":
             row = {f: int(w) for f, _, w in (item.partition("=") for item in detail.split())}
+        elif name == "dtype":
+            k = _parse_dtype(detail)
+            dtypes[k.name] = {"code": k.code, "size": k.size, "kind": k.kind}
         else:
             backends[name] = detail
     return {
         "backends": backends,
         "torch_built_against": built_against,
         "row_layout": row,
+        "dtypes": dtypes,
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
     }

@@ -9,17 +9,13 @@ import torch
 from hypothesis import strategies as st
 
 import fsdpcheck
+from fsdpcheck.kernels import KERNEL_DTYPES
 from tests import reference
 
-FLOAT_DTYPES = [
-    torch.float64,
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-]
-INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+# Every compiled dtype, in the order of the C++ table (csrc/fsdpcheck/dtypes.h): a dtype added
+# there runs through every test that takes these lists.
+FLOAT_DTYPES = [k.dtype for k in KERNEL_DTYPES if k.kind == "float"]
+INT_DTYPES = [k.dtype for k in KERNEL_DTYPES if k.kind != "float"]  # bool included
 ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
 # Sizes around the CPU block (512), a warp/block of threads, and the chunk (65536).
 EDGE_SIZES = [0, 1, 2, 3, 7, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1023, 1025]
@@ -59,14 +55,8 @@ def make_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
 
 def _tiny(dtype: torch.dtype) -> float:
     """The smallest positive subnormal of dtype (flush-to-zero modes would lose it)."""
-    return {
-        torch.float64: 5e-324,
-        torch.float32: 1e-45,
-        torch.float16: 6e-8,
-        torch.bfloat16: 9.2e-41,
-        torch.float8_e4m3fn: 2.0**-9,
-        torch.float8_e5m2: 2.0**-16,
-    }[dtype]
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps  # 2**(emin - mantissa bits)
 
 
 def perturb(t: torch.Tensor, k: int, gen: torch.Generator, rtol: float) -> torch.Tensor:

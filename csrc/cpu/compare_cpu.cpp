@@ -301,18 +301,9 @@ BlockStats stats(const char* v, int m, bool with_stats);
   BlockStats stats<D>(const char* v, int m, bool with_stats) {                  \
     return NAME(v, m, with_stats);                                              \
   }
-FSDPCHECK_DEF_STATS(DType::kFloat64, stats_f64)
-FSDPCHECK_DEF_STATS(DType::kFloat32, stats_f32)
-FSDPCHECK_DEF_STATS(DType::kFloat16, stats_f16)
-FSDPCHECK_DEF_STATS(DType::kBFloat16, stats_bf16)
-FSDPCHECK_DEF_STATS(DType::kFloat8E4M3FN, stats_f8e4m3fn)
-FSDPCHECK_DEF_STATS(DType::kFloat8E5M2, stats_f8e5m2)
-FSDPCHECK_DEF_STATS(DType::kInt8, stats_i8)
-FSDPCHECK_DEF_STATS(DType::kInt16, stats_i16)
-FSDPCHECK_DEF_STATS(DType::kInt32, stats_i32)
-FSDPCHECK_DEF_STATS(DType::kInt64, stats_i64)
-FSDPCHECK_DEF_STATS(DType::kUInt8, stats_u8)
-FSDPCHECK_DEF_STATS(DType::kBool, stats_bool)
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND) FSDPCHECK_DEF_STATS(DType::k##E, stats_##E)
+FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
 #undef FSDPCHECK_DEF_STATS
 
 std::string level() {

@@ -596,18 +596,12 @@ void launch_kernels(const LaunchArgs& args, Stream stream) {
     }
     // A host-side switch (visit_dtype is a host and device function: no host lambda in it).
     switch (d) {
-      case DType::kFloat64: launch_vector<DType::kFloat64>(args, l, stream); break;
-      case DType::kFloat32: launch_vector<DType::kFloat32>(args, l, stream); break;
-      case DType::kFloat16: launch_vector<DType::kFloat16>(args, l, stream); break;
-      case DType::kBFloat16: launch_vector<DType::kBFloat16>(args, l, stream); break;
-      case DType::kFloat8E4M3FN: launch_vector<DType::kFloat8E4M3FN>(args, l, stream); break;
-      case DType::kFloat8E5M2: launch_vector<DType::kFloat8E5M2>(args, l, stream); break;
-      case DType::kInt8: launch_vector<DType::kInt8>(args, l, stream); break;
-      case DType::kInt16: launch_vector<DType::kInt16>(args, l, stream); break;
-      case DType::kInt32: launch_vector<DType::kInt32>(args, l, stream); break;
-      case DType::kInt64: launch_vector<DType::kInt64>(args, l, stream); break;
-      case DType::kUInt8: launch_vector<DType::kUInt8>(args, l, stream); break;
-      case DType::kBool: launch_vector<DType::kBool>(args, l, stream); break;
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND) \
+  case DType::k##E:                                      \
+    launch_vector<DType::k##E>(args, l, stream);         \
+    break;
+      FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
     }
   }
   if (args.n > 0) {

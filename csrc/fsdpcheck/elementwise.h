@@ -8,6 +8,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include "fsdpcheck/dtypes.h"
 
 #if defined(__CUDACC__)
 #define FSDPCHECK_HD __host__ __device__ __forceinline__
@@ -17,22 +20,7 @@
 
 namespace fsdpcheck {
 
-// Stable codes for the supported dtypes (host <-> device metadata; not part of any file format).
-enum class DType : int32_t {
-  kFloat64 = 0,
-  kFloat32 = 1,
-  kFloat16 = 2,
-  kBFloat16 = 3,
-  kFloat8E4M3FN = 4,
-  kFloat8E5M2 = 5,
-  kInt8 = 6,
-  kInt16 = 7,
-  kInt32 = 8,
-  kInt64 = 9,
-  kUInt8 = 10,
-  kBool = 11,
-};
-constexpr int kNumDTypes = 12;
+// The DType enum and the dtype table it comes from: dtypes.h (NOTE: [one dtype table]).
 
 // ---------------------------------------------------------------------------------------------
 // Fingerprint v1 (docs/fingerprint-v1.md). A stable format: manifests store these numbers.
@@ -253,21 +241,28 @@ FSDPCHECK_HD uint32_t special_word(uint32_t w) {
   return ((w & S::kMask) + S::kAdd) & S::kTop;
 }
 
+// Each dtype's Traits against its line of the table: the same storage type, integer exactly
+// when the table says Int or Bool, and a float has its SpecialWords (the default, no special
+// values, would let the CUDA fast path miss its NaNs and infinities).
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND)                                     \
+  static_assert(std::is_same<Traits<DType::k##E>::Bits, BITS>::value,                       \
+                NAME ": Traits<D>::Bits is not the storage type of its dtypes.h line");    \
+  static_assert(Traits<DType::k##E>::kInteger == (DTypeKind::k##KIND != DTypeKind::kFloat),   \
+                NAME ": Traits<D>::kInteger disagrees with the Kind of its dtypes.h line");  \
+  static_assert(DTypeKind::k##KIND != DTypeKind::kFloat || SpecialWords<DType::k##E>::kTop != 0, \
+                NAME ": a float dtype needs its SpecialWords (NOTE: [special words])");
+FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
+
 FSDPCHECK_HD int dtype_size(DType d) {
   switch (d) {
-    case DType::kFloat64:
-    case DType::kInt64:
-      return 8;
-    case DType::kFloat32:
-    case DType::kInt32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kInt16:
-      return 2;
-    default:
-      return 1;
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND) \
+  case DType::k##E:                                      \
+    return SIZE;
+    FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
   }
+  return 1;  // unreachable: plans hold only the codes of the table
 }
 
 // Calls f(std::integral_constant-like tag) for a runtime dtype. Used by the generic (mixed-dtype)
@@ -280,31 +275,14 @@ struct DTag {
 template <typename F>
 FSDPCHECK_HD auto visit_dtype(DType d, F&& f) {
   switch (d) {
-    case DType::kFloat64:
-      return f(DTag<DType::kFloat64>{});
-    case DType::kFloat32:
-      return f(DTag<DType::kFloat32>{});
-    case DType::kFloat16:
-      return f(DTag<DType::kFloat16>{});
-    case DType::kBFloat16:
-      return f(DTag<DType::kBFloat16>{});
-    case DType::kFloat8E4M3FN:
-      return f(DTag<DType::kFloat8E4M3FN>{});
-    case DType::kFloat8E5M2:
-      return f(DTag<DType::kFloat8E5M2>{});
-    case DType::kInt8:
-      return f(DTag<DType::kInt8>{});
-    case DType::kInt16:
-      return f(DTag<DType::kInt16>{});
-    case DType::kInt32:
-      return f(DTag<DType::kInt32>{});
-    case DType::kInt64:
-      return f(DTag<DType::kInt64>{});
-    case DType::kUInt8:
-      return f(DTag<DType::kUInt8>{});
-    default:
-      return f(DTag<DType::kBool>{});
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND) \
+  case DType::k##E:                                      \
+    return f(DTag<DType::k##E>{});
+    FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
   }
+  // Unreachable (plans hold only the codes of the table); raw bytes are a safe read.
+  return f(DTag<DType::kUInt8>{});
 }
 
 // One element, decoded: what the comparison and the statistics need.

@@ -15,28 +15,27 @@ namespace {
 
 bool to_dtype(at::ScalarType st, DType* out) {
   switch (st) {
-    case at::kDouble: *out = DType::kFloat64; return true;
-    case at::kFloat: *out = DType::kFloat32; return true;
-    case at::kHalf: *out = DType::kFloat16; return true;
-    case at::kBFloat16: *out = DType::kBFloat16; return true;
-    case at::kFloat8_e4m3fn: *out = DType::kFloat8E4M3FN; return true;
-    case at::kFloat8_e5m2: *out = DType::kFloat8E5M2; return true;
-    case at::kChar: *out = DType::kInt8; return true;
-    case at::kShort: *out = DType::kInt16; return true;
-    case at::kInt: *out = DType::kInt32; return true;
-    case at::kLong: *out = DType::kInt64; return true;
-    case at::kByte: *out = DType::kUInt8; return true;
-    case at::kBool: *out = DType::kBool; return true;
-    default: return false;
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND) \
+  case at::ScalarType::ST:                               \
+    *out = DType::k##E;                                  \
+    return true;
+    FSDPCHECK_DTYPES(FSDPCHECK_X)
+#undef FSDPCHECK_X
+    default:
+      return false;
   }
 }
+
+// "float64, float32, ...": the names of the table, for the error message.
+#define FSDPCHECK_X(E, CODE, NAME, BITS, SIZE, ST, KIND) ", " NAME
+constexpr const char* kSupportedNames = FSDPCHECK_DTYPES(FSDPCHECK_X) + 2;
+#undef FSDPCHECK_X
 
 DType checked_dtype(const char* op, const at::Tensor& t, const char* side, size_t i) {
   DType d;
   TORCH_CHECK_TYPE(to_dtype(t.scalar_type(), &d), "fsdpcheck.", op, ": ", side, "[", i,
-                   "] has dtype ", t.scalar_type(),
-                   ", which is not supported (supported: float64, float32, float16, bfloat16, "
-                   "float8_e4m3fn, float8_e5m2, int8, int16, int32, int64, uint8, bool)");
+                   "] has dtype ", t.scalar_type(), ", which is not supported (supported: ",
+                   kSupportedNames, ")");
   return d;
 }
 
