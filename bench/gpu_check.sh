@@ -23,7 +23,7 @@ MAX_FILES=8
 # each step also stops at the overall deadline.
 STEPS=(
   "build|200|build.log|build"
-  "tests|120|tests.log|$PY -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py"
+  "tests|120|tests.log|$PY -m pytest -q -p no:cacheprovider -rf tests/unit/test_cuda.py"
   "bench|80|bench.log bench.json|$PY bench/bench_kernels.py --device cuda --workloads llama7b-bf16 --reps 5 --json \$OUT/bench.json"
   "verify|70|verify.log verify.json|$PY bench/bench_verify.py --device cuda --ranks 2 --layers 2 --hidden 1024 --json \$OUT/verify.json"
 )

@@ -19,7 +19,8 @@ from fsdpcheck.report import Finding
 
 # The sentinel of each kernel dtype, written through an integer view of the same size. bool has
 # none: every byte of a bool tensor must be 0 or 1 (anything else is undefined in torch), and both
-# are values a load writes. tests/test_dtype_table.py holds the keys to the compiled dtype table.
+# are values a load writes. tests/unit/test_dtype_table.py holds the keys to the compiled dtype
+# table.
 _SENTINEL_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float64: (torch.int64, 0x7FF80000BAD1BAD1),
     torch.float32: (torch.int32, 0x7FC0BAD1),

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # torch.testing.assert_close's defaults, used when the two dtypes differ and no tolerance was
 # given (the float8 rows follow the same rule: a few units in the last place). One row per float
-# dtype of the kernels: tests/test_dtype_table.py holds the keys to the compiled dtype table.
+# dtype of the kernels: tests/unit/test_dtype_table.py holds the keys to the compiled dtype table.
 DTYPE_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (1e-3, 1e-5),
     torch.bfloat16: (1.6e-2, 1e-5),

@@ -36,4 +36,4 @@ PY
 "$VENV/bin/python" bench/sass_report.py --check
 # The library corpus and trainer integrations test checkpoint layouts, not the build: they run
 # in the main venv (scripts/test.sh), which has the trainer libraries.
-"$VENV/bin/python" -m pytest -q --ignore=tests/test_corpus.py --ignore=tests/test_integrations.py
+"$VENV/bin/python" -m pytest -q -m "not corpus" --ignore=tests/dist/integrations

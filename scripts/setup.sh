@@ -30,7 +30,7 @@ if [ "${FSDPCHECK_TEST_LIBS:-1}" = "1" ]; then
   pip_install --no-deps "litgpt==0.5.13"
   # torchtune 0.6.1 imports torchao's int4_weight_only (gone after 0.14.1), and peft 0.21 refuses
   # to run once a torchao older than 0.16 is importable: torchtune's torchao lives in a folder of
-  # its own, on the path only of the process that runs torchtune (tests/convert_tune.py).
+  # its own, on the path only of the process that runs torchtune (tests/corpus/convert_tune.py).
   pip_install --no-deps "torchtune==0.6.1"
   pip_install --no-deps --upgrade --target "$VENV/torchao-for-torchtune" "torchao==0.11.0"
   rm -f "$PIN"

@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh), then lints and runs the whole test suite.
+# Sets up (scripts/setup.sh), then lints and runs the whole test suite (extra arguments go to
+# pytest).
+#
+#   scripts/test.sh --fast   the edit-and-run loop: tests/unit and tests/hostile without the
+#                            tests marked slow, a few hypothesis examples each, no lint; sets up
+#                            only when the venv cannot import fsdpcheck yet
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 VENV=${FSDPCHECK_VENV:-.venv}
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  "$VENV/bin/python" -c "import fsdpcheck" 2>/dev/null || bash scripts/setup.sh
+  export FSDPCHECK_HYPOTHESIS=${FSDPCHECK_HYPOTHESIS:-fast}
+  exec "$VENV/bin/python" -m pytest -q -m "(unit or hostile) and not slow" "$@"
+fi
+bash scripts/setup.sh
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/mypy"

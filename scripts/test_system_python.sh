@@ -35,5 +35,5 @@ trap 'rm -rf "$tmp"' EXIT
 tmp_site=$("$tmp/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import site; site.addsitedir('$site')" > "$tmp_site/fsdpcheck-venv.pth"
 echo "system python: the metadata reader's tests under $SYS (CPython $theirs; the venv: $mine)"
-"$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_metadata_enums.py \
-  tests/test_reading.py tests/test_security.py "$@"
+"$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_metadata_enums.py \
+  tests/hostile/test_reading.py tests/hostile/test_security.py "$@"

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -20,6 +21,14 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# scripts/test.sh --fast: a few examples each, for the edit-and-run loop.
+settings.register_profile(
+    "fast",
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("FSDPCHECK_HYPOTHESIS", "ci"))
 
 
@@ -29,7 +38,7 @@ def spawns(tmp_path_factory, request):
     from tests.dist_harness import Spawns
 
     spawns = Spawns(tmp_path_factory.mktemp("spawns"), request.session.items)
-    if "tests.s3_scenarios" in spawns.wanted:
+    if "tests.dist.s3.s3_scenarios" in spawns.wanted:
         # Its ranks read from it: up before they start (its tests skip without it).
         with contextlib.suppress(pytest.skip.Exception):
             request.getfixturevalue("s3_server")
@@ -75,3 +84,26 @@ def s3_server(tmp_path_factory):
                 os.environ[k] = v
         proxy.close()
         server.stop()
+
+
+# The folder a test module lives in is its marker (registered in pyproject.toml):
+#   unit     one process, no subprocess launch of ranks: the kernels, readers, pairing, reports
+#   hostile  hostile and changing input: every reader's refusals, fuzzing, kills mid-write
+#   process  the console script and the demo as processes (pipes, signals, memory caps)
+#   dist     several gloo ranks (tests/dist_harness.py), one folder per subject
+#   corpus   checkpoints written by the libraries' own save and conversion code at test time
+#   storage  object storage against a real S3-compatible server the suite starts
+# `scripts/test.sh --fast` runs unit and hostile without the tests marked slow.
+FOLDERS = ("unit", "hostile", "process", "dist", "corpus", "storage")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(here).parts
+        if len(parts) < 2 or parts[0] not in FOLDERS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: a test module belongs in one of tests/{{{','.join(FOLDERS)}}}/ "
+                "(its folder is its marker; see tests/conftest.py)"
+            )
+        item.add_marker(getattr(pytest.mark, parts[0]))

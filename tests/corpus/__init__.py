@@ -8,8 +8,8 @@ global index) a comparison must name. Multi-rank cases are built by ``build_dist
 ``torchrun`` (how users launch) and checked against live models by ``check_dist``.
 
 Each builder module exports ``CASES`` (a ``Cases``: its library, the case names it writes and
-how it is built); ``collect()`` finds them, for ``build_dist`` and ``tests/test_corpus.py``. A new
-builder is one module here.
+how it is built); ``collect()`` finds them, for ``build_dist`` and ``tests/corpus/test_corpus.py``.
+A new builder is one module here.
 """
 
 from __future__ import annotations

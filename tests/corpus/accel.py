@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.accelerate_scenarios import accelerator
 from tests.corpus import Case, Cases, plant, toy_case, toy_model
 from tests.corpus.live import Live, adamw, train_steps
+from tests.dist.accelerate.accelerate_scenarios import accelerator
 
 PLANT_WEIGHT = ("embed.weight", (9, 0))
 PLANT_MOMENT = ("head.weight", "exp_avg", (0, 7))

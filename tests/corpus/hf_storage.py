@@ -4,7 +4,8 @@
 every rank of an FSDP2 model writes ``shard-<rank + 1>-model-00001-of-00001.safetensors`` per
 rank, its boxes placed by ``DCP_SHARDING_INFO`` in the header; ``enable_consolidation=True``
 moves those to ``path/sharded/`` and writes full tensors plus ``model.safetensors.index.json``
-to ``path``. Used by tests/hf_storage_scenarios.py (2 gloo ranks, in the shared spawn).
+to ``path``. Used by tests/dist/hf_storage/hf_storage_scenarios.py (2 gloo ranks, in the shared
+spawn).
 """
 
 from __future__ import annotations
