@@ -48,7 +48,7 @@ DCP_TENSORS = 100_000
 
 
 #: The ways ``pickle.dump`` can write the same 1,024,000 chunks (every one audits through the
-#: column runs: NOTE: [metadata columns] in ``fsdpcheck/sources/dcp_runs.py``). "chunks" is
+#: column runs: NOTE: [metadata columns] in ``fsdpcheck/sources/dcp/runs.py``). "chunks" is
 #: how ``dcp.save`` writes them; each other one changes one thing (the last, several).
 CHUNK_SHAPES: dict[str, dict[str, Any]] = {
     "chunks": {},

@@ -1,8 +1,8 @@
 """What a DCP ``.metadata`` may name: no code from a checkpoint ever runs.
 
-`admitted_global` is the allowlist the metadata reader (``fsdpcheck.sources.dcp_vm``, a
+`admitted_global` is the allowlist the metadata reader (``fsdpcheck.sources.dcp.vm``, a
 restricted pickle machine) resolves every global through: DCP's metadata classes (or
-fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in ``fsdpcheck.sources.dcp_metadata``)
+fsdpcheck's mirrors of them, NOTE: [DCP-free metadata] in ``fsdpcheck.sources.dcp.metadata``)
 and plain data; every other global is refused.
 
 Why not ``torch.load(weights_only=True)``: ``.metadata`` is a bare pickle (not a torch.save zip)
@@ -99,9 +99,9 @@ def admitted_global(
     """The object a pickle's GLOBAL names, if the allowlist admits it.
 
     Admitted: DCP's metadata classes (or, with `resolve`, what it builds for them: the mirrors
-    of ``fsdpcheck.sources.dcp_metadata``), torch dtypes/layouts/memory formats,
+    of ``fsdpcheck.sources.dcp.metadata``), torch dtypes/layouts/memory formats,
     ``torch.Size``, pure paths, DCP's enums and plain containers. The reader of DCP metadata
-    (``fsdpcheck.sources.dcp_vm``) asks this for every global a file names.
+    (``fsdpcheck.sources.dcp.vm``) asks this for every global a file names.
 
     Raises:
         UnsafePickleError: Anything else (nothing is imported).

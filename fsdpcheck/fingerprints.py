@@ -490,7 +490,7 @@ def _checkpoint_fingerprints(
     convert: Any = None,
     session: offline_dist.Session | None = None,
 ) -> tuple[dict[str, int], list[str]]:
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.dcp.source import DCPSource
 
     request = None
     # An open DCP source (audit's, whose metadata is read and checked already) is hashed as it

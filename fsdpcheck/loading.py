@@ -319,7 +319,7 @@ def _pairing_everywhere(
 
 def _preflight(path: str | os.PathLike[str], source: Source) -> _Plan:
     """Recognises the checkpoint and checks its structure; raises on anything wrong."""
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.dcp.source import DCPSource
 
     info = source.parts()[0].checkpoint or describe_path(path)
     manifest = read_manifest(info.path) if info.layout == "fsdpcheck" else None
@@ -518,8 +518,8 @@ def _load_dcp(
         set_optimizer_state_dict,
     )
 
-    from fsdpcheck.sources.dcp import DCPSource
-    from fsdpcheck.sources.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+    from fsdpcheck.sources.dcp.load import SafeFileSystemReader, SafeLoadPlanner
+    from fsdpcheck.sources.dcp.source import DCPSource
 
     def plan() -> tuple[list[Any], list[dict[str, Any]]]:
         parts = w.source.parts()
@@ -600,7 +600,7 @@ def _set_hparams(w: _Work) -> None:
 
 def _what_was_written(exc: BaseException, loaded: list[str], world: int) -> str:
     """What a failed DCP load left in the model, in words the same on every rank."""
-    from fsdpcheck.sources.safe_reader import PartlyWrittenError
+    from fsdpcheck.sources.dcp.load import PartlyWrittenError
 
     _, cause = root_cause(exc)
     if isinstance(cause, PartlyWrittenError):  # its message names what that rank wrote
@@ -632,7 +632,7 @@ def _few_keys(keys: list[str]) -> str:
 
 def _first_failure(exc: BaseException) -> str:
     """One line: the first failing rank's error inside torch's CheckpointException."""
-    from fsdpcheck.sources.safe_reader import NothingWrittenError
+    from fsdpcheck.sources.dcp.load import NothingWrittenError
 
     rank, cause = root_cause(exc)
     if isinstance(cause, NothingWrittenError):  # agreed by every rank: it names the rank

@@ -40,7 +40,7 @@ def open_checked(call: Call, reference: Any, step: str = "opening the reference"
     Raises:
         RankFailure: On every rank, when opening failed on rank 0.
     """
-    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.dcp.source import Verdicts
 
     comm = call.comm
     if not comm.enabled or comm.world == 1:

@@ -39,8 +39,8 @@ from fsdpcheck.manifest import (
 )
 from fsdpcheck.report import normalized
 from fsdpcheck.sources import Source, open_source
-from fsdpcheck.sources.dcp import DCPSource
-from fsdpcheck.sources.dcp_metadata import METADATA_FILE, read_dcp_metadata
+from fsdpcheck.sources.dcp.metadata import METADATA_FILE, read_dcp_metadata
+from fsdpcheck.sources.dcp.source import DCPSource
 from fsdpcheck.sources.remote import RemotePath, is_url, location
 
 __all__ = ["build_manifest", "dcp_saves", "save", "stale_reason", "write_checkpoint_manifest"]
@@ -391,7 +391,7 @@ def dcp_saves(root: Any, parts: Sequence[Any]) -> dict[str, SaveIdentity]:
 
 def _remote_identity(d: RemotePath) -> tuple[str | None, str]:
     """(DCP save id, sha256 of ``.metadata``) of a DCP directory in an object store."""
-    from fsdpcheck.sources.dcp_index import read_parsed
+    from fsdpcheck.sources.dcp.index import read_parsed
 
     parsed = read_parsed(d, columns=False)
     save_id = getattr(getattr(parsed.metadata, "storage_meta", None), "save_id", None)

@@ -82,7 +82,7 @@ def save_to_url(
     def build() -> Manifest | None:
         if comm.rank != 0:
             return None
-        from fsdpcheck.sources.remote_dcp import RemoteDCPSource
+        from fsdpcheck.sources.dcp.remote import RemoteDCPSource
 
         source = RemoteDCPSource(root)
         try:

@@ -32,7 +32,7 @@ from fsdpcheck.names import WRAPPER_PREFIXES
 
 if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
-    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.dcp.source import Verdicts
     from fsdpcheck.sources.remote import RemotePath
 
 # Part roles: what a part of a checkpoint holds. "any" parts are read by their own structure.

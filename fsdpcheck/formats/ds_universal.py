@@ -31,7 +31,7 @@ from fsdpcheck.sources.ds_universal import OPTIMIZER_STATE, UniversalZeroSource,
 
 if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
-    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.dcp.source import Verdicts
     from fsdpcheck.sources.remote import RemotePath
 
 ZERO = "zero"

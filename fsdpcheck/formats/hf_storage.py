@@ -18,7 +18,7 @@ from fsdpcheck.sources.hf_storage import SHARD_NAME, HFStorageSource, shard_file
 
 if TYPE_CHECKING:
     from fsdpcheck.sources.base import Source
-    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.dcp.source import Verdicts
     from fsdpcheck.sources.remote import RemotePath
 
 __all__ = ["SHARDED_DIR", "SHARD_NAME", "HFStorage", "read_shards", "shard_files"]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fsdpcheck.formats.base import Reader
     from fsdpcheck.sources.base import Source
-    from fsdpcheck.sources.dcp import Verdicts
+    from fsdpcheck.sources.dcp.source import Verdicts
     from fsdpcheck.sources.remote import RemotePath
 
 __all__ = [
@@ -44,7 +44,7 @@ BIN_INDEX_SUFFIX = ".bin.index.json"
 
 def dcp(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """A DCP directory (`trust`: the verdicts of another process's check of its .metadata)."""
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.dcp.source import DCPSource
 
     return DCPSource(path, verdicts=trust)
 
@@ -75,7 +75,7 @@ def bin_index(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Sour
 
 def remote_dcp(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """A DCP directory in an object store."""
-    from fsdpcheck.sources.remote_dcp import RemoteDCPSource
+    from fsdpcheck.sources.dcp.remote import RemoteDCPSource
 
     return RemoteDCPSource(path, verdicts=trust)  # type: ignore[arg-type]  # a RemotePath
 

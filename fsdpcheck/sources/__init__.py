@@ -23,7 +23,7 @@ from fsdpcheck.sources.remote import RemotePath
 
 if TYPE_CHECKING:
     from fsdpcheck.formats import CheckpointInfo
-    from fsdpcheck.sources.dcp import DCPSource, Verdicts
+    from fsdpcheck.sources.dcp.source import DCPSource, Verdicts
 
 __all__ = [
     "Entry",
@@ -126,10 +126,10 @@ def open_part(info: CheckpointInfo, index: int, *, trust: Verdicts | None = None
 def open_dcp(path: Path | RemotePath) -> DCPSource:
     """A DCP directory, local or in an object store."""
     if isinstance(path, RemotePath):
-        from fsdpcheck.sources.remote_dcp import RemoteDCPSource
+        from fsdpcheck.sources.dcp.remote import RemoteDCPSource
 
         return RemoteDCPSource(path)
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.dcp.source import DCPSource
 
     return DCPSource(path)
 

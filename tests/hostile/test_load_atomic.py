@@ -1,7 +1,7 @@
 """A failed ``fsdpcheck.load`` leaves the model as it was, or names what it wrote.
 
 Everything a load reads is checked before the first byte reaches the model (NOTE: [check before
-writing] in ``fsdpcheck/sources/safe_reader.py``): storage transforms undone within their bound
+writing] in ``fsdpcheck/sources/dcp/load.py``): storage transforms undone within their bound
 (a decompression bomb is refused there), blobs located or loaded, regions and destinations
 sized. The faults sit in the LAST entry read, so a load that wrote as it went would have
 overwritten every other tensor first. What can still fail while writing (a file truncated by
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fsdpcheck
-from fsdpcheck.sources import safe_reader
+from fsdpcheck.sources.dcp import load as safe_reader
 from fsdpcheck.testing import small_model
 
 

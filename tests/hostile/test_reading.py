@@ -32,9 +32,10 @@ from hypothesis import strategies as st
 
 import fsdpcheck
 from fsdpcheck._unpickle import UnsafePickleError
-from fsdpcheck.sources import dcp_index, dcp_pickle
 from fsdpcheck.sources.base import CheckpointError, CoverageError, Region
-from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.sources.dcp import index as dcp_index
+from fsdpcheck.sources.dcp import stream as dcp_pickle
+from fsdpcheck.sources.dcp.source import DCPSource
 from tests import REPO_ROOT
 
 CPU = torch.device("cpu")
@@ -252,7 +253,7 @@ def test_streamed_metadata_equals_the_unpickler_and_dcp(
 def columns_read(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], int, int]:
     """Reads ``.metadata`` with column runs: (each pass's `columns`, chunk and storage records
     read as objects rather than in runs)."""
-    from fsdpcheck.sources.dcp_metadata import _mirror
+    from fsdpcheck.sources.dcp.metadata import _mirror
 
     passes: list[bool] = []
     real = dcp_pickle._read
@@ -432,7 +433,7 @@ def test_chunks_overlapping_equals_a_scan(layout: Any, data: st.DataObject) -> N
 
 def test_a_grid_is_searched_by_bisection_not_scanned() -> None:
     """4,096 stacked chunks, listed in any order: a query meets only the cells it overlaps."""
-    from fsdpcheck.sources.dcp_index import _Grid
+    from fsdpcheck.sources.dcp.index import _Grid
 
     boxes = [((4 * r, 0), (4, 64)) for r in range(4096)][::-1]
     g = _Grid.build(boxes)
@@ -524,8 +525,8 @@ def test_the_safe_reader_reuses_the_parsed_metadata(
             raise AssertionError(".metadata parsed a second time")
 
         monkeypatch.setattr(dcp_index, "read_parsed", never)
-        monkeypatch.setattr("fsdpcheck.sources.dcp_metadata.read_dcp_metadata", never)
-        monkeypatch.setattr("fsdpcheck.sources.safe_reader.read_dcp_metadata", never)
+        monkeypatch.setattr("fsdpcheck.sources.dcp.metadata.read_dcp_metadata", never)
+        monkeypatch.setattr("fsdpcheck.sources.dcp.load.read_dcp_metadata", never)
         assert src.read_objects(["lr"]) == {"lr": 0.25}
         (got,) = src.read([Region("w", (1, 0), (2, 3))], CPU)
         assert torch.equal(got, t[1:3])
@@ -709,7 +710,8 @@ _TRUNCATE = """
 import os, sys
 import fsdpcheck
 from fsdpcheck import ops
-from fsdpcheck.sources import dcp, files
+from fsdpcheck.sources import files
+from fsdpcheck.sources.dcp import source as dcp
 from fsdpcheck.sources.base import CheckpointError
 
 path, target, when = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -893,7 +895,7 @@ def test_a_memo_index_from_the_file_sizes_nothing(tmp_path: Path) -> None:
         done = _child(
             """
             import resource, sys
-            from fsdpcheck.sources.dcp import DCPSource
+            from fsdpcheck.sources.dcp.source import DCPSource
             from fsdpcheck.sources.base import CheckpointError
             # 3 GiB more than the interpreter maps once torch is in (a CUDA build of torch maps
             # several GiB of libraries and reservations before anything is read).

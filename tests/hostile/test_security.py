@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import fsdpcheck
 from fsdpcheck.sources.base import CheckpointError, CoverageError, Region
-from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.sources.dcp.load import SafeFileSystemReader, SafeLoadPlanner
+from fsdpcheck.sources.dcp.source import DCPSource
 from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
-from fsdpcheck.sources.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from fsdpcheck.sources.tiling import uncovered
 from tests.fuzz_cases import (
     Planted,
@@ -443,7 +443,7 @@ def test_a_storage_entry_renamed_after_it_was_stored_is_refused(tmp_path: Path) 
 def test_self_referencing_or_exponentially_shared_metadata_gives_a_short_error(
     tmp_path: Path,
 ) -> None:
-    from fsdpcheck.sources.dcp_metadata import read_dcp_metadata, validate_metadata
+    from fsdpcheck.sources.dcp.metadata import read_dcp_metadata, validate_metadata
 
     p = save_dcp(tmp_path / "ck")
     md = read_dcp_metadata(p)
@@ -476,7 +476,7 @@ def test_deeply_nested_metadata_is_refused_not_a_crash(tmp_path: Path) -> None:
     d.mkdir()
     (d / ".metadata").write_bytes(b"\x80\x04}" + b")" + b"\x85" * 2_000_000 + b"K\x01s.")
     code = (
-        "import sys\nfrom fsdpcheck.sources.dcp import DCPSource\n"
+        "import sys\nfrom fsdpcheck.sources.dcp.source import DCPSource\n"
         "from fsdpcheck.sources.base import CheckpointError\n"
         "try:\n    DCPSource(sys.argv[1])\nexcept CheckpointError as e:\n    print(e)\n"
     )

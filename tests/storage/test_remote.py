@@ -243,7 +243,7 @@ def test_a_header_claiming_8_gb_is_refused_before_it_is_fetched(s3, tmp_path):
 
 
 def test_metadata_over_the_limit_is_refused_before_it_is_fetched(s3, monkeypatch):
-    from fsdpcheck.sources import dcp_index
+    from fsdpcheck.sources.dcp import index as dcp_index
 
     url = s3.dcp("ckpt", state())
     monkeypatch.setattr(dcp_index, "MAX_METADATA", 100)
@@ -382,7 +382,7 @@ def test_reads_land_in_the_callers_buffers(s3, tmp_path):
 
 def test_columns_through_bounded_scratch(s3, monkeypatch):
     """Parts that need scratch buffers (some columns of the rows) are read in bounded waves."""
-    from fsdpcheck.sources import remote_dcp
+    from fsdpcheck.sources.dcp import remote as remote_dcp
 
     sd = state()
     url = s3.dcp("ckpt", sd)

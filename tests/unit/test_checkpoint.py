@@ -310,7 +310,7 @@ def _damage_manifest(ck):
 def _damage_metadata_gap(ck):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdpcheck.sources.safe_reader import read_dcp_metadata
+    from fsdpcheck.sources.dcp.load import read_dcp_metadata
 
     md = read_dcp_metadata(ck, dcp_classes=True)  # DCP's classes: written back for DCP
     meta = md.state_dict_metadata["model.0.weight"]

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 import fsdpcheck
 from fsdpcheck._unpickle import UnsafePickleError
-from fsdpcheck.sources import dcp_pickle
-from fsdpcheck.sources.dcp_metadata import _mirror, read_dcp_metadata
+from fsdpcheck.sources.dcp import stream as dcp_pickle
+from fsdpcheck.sources.dcp.metadata import _mirror, read_dcp_metadata
 from tests import REPO_ROOT
 from tests.hostile.test_reading import read_both, trusted_summary, write_dcp
 

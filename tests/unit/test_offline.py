@@ -23,7 +23,7 @@ from fsdpcheck.comparison import compare_checkpoints
 from fsdpcheck.fingerprints import fingerprint_checkpoint
 from fsdpcheck.kernels import fingerprint_tensor
 from fsdpcheck.sources.base import CheckpointError, Region
-from fsdpcheck.sources.dcp import DCPSource
+from fsdpcheck.sources.dcp.source import DCPSource
 from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.prefetch import Prefetcher
@@ -214,7 +214,7 @@ def test_raw_dcp_file_shrinking_after_open_raises(tmp_path: Path) -> None:
 
 def _metadata_summary(md: Any) -> tuple[Any, ...]:
     """Everything fsdpcheck reads from DCP metadata, as plain values (mirror or DCP classes)."""
-    from fsdpcheck.sources.dcp_metadata import is_tensor_meta, position
+    from fsdpcheck.sources.dcp.metadata import is_tensor_meta, position
 
     sdm = {}
     for key, m in md.state_dict_metadata.items():
@@ -242,8 +242,8 @@ def test_mirror_metadata_reads_as_dcps_own_classes(
     from torch.distributed.checkpoint import metadata as dcp_md
 
     from fsdpcheck._unpickle import ADMITTED
-    from fsdpcheck.sources import dcp_index
-    from fsdpcheck.sources import dcp_metadata as mirror
+    from fsdpcheck.sources.dcp import index as dcp_index
+    from fsdpcheck.sources.dcp import metadata as mirror
 
     # Every DCP class the unpickler admits has a mirror, so no valid file reads differently.
     admitted = {(m, n) for m, names in ADMITTED.items() for n in names if m.startswith("torch.")}

@@ -247,7 +247,7 @@ def test_out_of_memory_while_reading_is_a_finding():
 
 
 def test_a_failed_read_is_a_finding_and_the_batches_after_it_are_compared(tmp_path):
-    from fsdpcheck.sources.dcp import DCPSource
+    from fsdpcheck.sources.dcp.source import DCPSource
 
     m, _ = small_model()
     ref = {k: v.clone() for k, v in m.state_dict().items()}

@@ -25,7 +25,9 @@ from torch import nn
 
 import fsdpcheck
 from fsdpcheck import layout, saving, verification
-from fsdpcheck.sources import dcp, dcp_index, safe_reader
+from fsdpcheck.sources.dcp import source as dcp
+from fsdpcheck.sources.dcp import index as dcp_index
+from fsdpcheck.sources.dcp import load as safe_reader
 from fsdpcheck.testing import plant
 from tests.dist_harness import Registry, World
 from tests.dist.scale.scale_scenarios import sharded

@@ -22,9 +22,10 @@ from torch import nn
 
 import fsdpcheck
 from fsdpcheck import verification
-from fsdpcheck.sources import dcp_index, safe_reader
-from fsdpcheck.sources.dcp import DCPSource
-from fsdpcheck.sources.dcp_index import StorageProblems
+from fsdpcheck.sources.dcp import index as dcp_index
+from fsdpcheck.sources.dcp import load as safe_reader
+from fsdpcheck.sources.dcp.source import DCPSource
+from fsdpcheck.sources.dcp.index import StorageProblems
 from tests.dist_harness import Spawns
 from tests.dist.metadata_once.metadata_once_scenarios import WORLDS
 from tests.dist.scale.scale_scenarios import KEYS

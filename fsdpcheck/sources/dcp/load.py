@@ -31,8 +31,8 @@ from torch.futures import Future
 from fsdpcheck._unpickle import load_weights_only
 from fsdpcheck.errors import CheckpointError, describe_error
 from fsdpcheck.sources.base import one_line, open_regular
-from fsdpcheck.sources.dcp_index import DcpIndex, check_storage
-from fsdpcheck.sources.dcp_metadata import (
+from fsdpcheck.sources.dcp.index import DcpIndex, check_storage
+from fsdpcheck.sources.dcp.metadata import (
     StorageCheck,
     planner_paths,
     position,

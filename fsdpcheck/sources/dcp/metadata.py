@@ -30,7 +30,7 @@ from fsdpcheck._unpickle import ADMITTED
 from fsdpcheck.errors import CheckpointError, UnsafePickleError
 from fsdpcheck.sources.base import Problem, open_regular
 from fsdpcheck.sources.base import show_value as _show
-from fsdpcheck.sources.dcp_pickle import ChunkRun
+from fsdpcheck.sources.dcp.stream import ChunkRun
 
 __all__ = [
     "METADATA_FILE",
@@ -248,7 +248,7 @@ def read_dcp_metadata(
         UnsafePickleError: It names a class outside DCP's metadata (nothing was run).
         CheckpointError: It is not a regular file, not a pickle, or not shaped like DCP metadata.
     """
-    from fsdpcheck.sources.dcp_pickle import StreamError, read_metadata_stream
+    from fsdpcheck.sources.dcp.stream import StreamError, read_metadata_stream
 
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
     f = Path(path) / name
@@ -282,7 +282,7 @@ def read_bytes(data: bytes, what: str, resolve: Any) -> Any:
     """Metadata from bytes already read (through the same restricted machine, objects only)."""
     import tempfile
 
-    from fsdpcheck.sources.dcp_pickle import read_metadata_stream
+    from fsdpcheck.sources.dcp.stream import read_metadata_stream
 
     with tempfile.TemporaryFile() as fh:
         fh.write(data)

@@ -22,7 +22,8 @@ from torch.futures import Future
 
 from fsdpcheck.errors import CheckpointError, describe_error
 from fsdpcheck.sources.base import Region
-from fsdpcheck.sources.dcp import _MAX_RAW, DCPSource, _RawItem, raw_read
+from fsdpcheck.sources.dcp.load import PartlyWrittenError, SafeFileSystemReader, _partly
+from fsdpcheck.sources.dcp.source import _MAX_RAW, DCPSource, _RawItem, raw_read
 from fsdpcheck.sources.rawio import locate_chunk, scan_spans, writable_view
 from fsdpcheck.sources.remote import (
     ObjectFile,
@@ -31,7 +32,6 @@ from fsdpcheck.sources.remote import (
     name_problem,
     open_object,
 )
-from fsdpcheck.sources.safe_reader import PartlyWrittenError, SafeFileSystemReader, _partly
 
 __all__ = ["RemoteDCPSource", "RemoteSafeReader"]
 

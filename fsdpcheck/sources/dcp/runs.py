@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.dcp_vm import (
+from fsdpcheck.sources.dcp.vm import (
     BINGET,
     BINPUT,
     LONG1,

@@ -26,8 +26,8 @@ from fsdpcheck.sources.base import (
     Source,
     open_regular,
 )
-from fsdpcheck.sources.dcp_index import DcpIndex, Storage, StorageProblems, open_index
-from fsdpcheck.sources.dcp_metadata import Position
+from fsdpcheck.sources.dcp.index import DcpIndex, Storage, StorageProblems, open_index
+from fsdpcheck.sources.dcp.metadata import Position
 from fsdpcheck.sources.rawio import (
     Mapped,
     RawChunk,
@@ -138,7 +138,7 @@ class DCPSource(Source):
 
     def _reader_type(self) -> Any:
         """The class of DCP storage reader for what is not read by byte range here."""
-        from fsdpcheck.sources.safe_reader import SafeFileSystemReader
+        from fsdpcheck.sources.dcp.load import SafeFileSystemReader
 
         return SafeFileSystemReader
 

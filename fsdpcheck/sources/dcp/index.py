@@ -42,7 +42,7 @@ from fsdpcheck.sources.base import (
     open_regular,
     past_the_end,
 )
-from fsdpcheck.sources.dcp_metadata import (
+from fsdpcheck.sources.dcp.metadata import (
     MAX_METADATA,
     METADATA_FILE,
     Position,
@@ -58,7 +58,7 @@ from fsdpcheck.sources.dcp_metadata import (
     storage_by_position,
     validate_metadata,
 )
-from fsdpcheck.sources.dcp_pickle import (
+from fsdpcheck.sources.dcp.stream import (
     SMALL,
     ChunkRun,
     Fallback,

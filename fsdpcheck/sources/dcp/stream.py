@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdpcheck._unpickle import on_a_deep_stack
-from fsdpcheck.sources.dcp_runs import ChunkRun, ColumnRuns, Fallback, StorageRun
-from fsdpcheck.sources.dcp_vm import Input, Machine, Stream, StreamError, TooLarge
+from fsdpcheck.sources.dcp.runs import ChunkRun, ColumnRuns, Fallback, StorageRun
+from fsdpcheck.sources.dcp.vm import Input, Machine, Stream, StreamError, TooLarge
 
 #: Files smaller than this are read into objects only (their few records are not worth the
 #: column set-up; ``dcp_index.read_parsed``).
