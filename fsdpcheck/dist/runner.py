@@ -252,8 +252,10 @@ class Call:
         same: Any = None,
         same_what: str = "",
     ) -> tuple[list[Group], list[int]]:
-        """`exchange`, but ranks past ``collectives.MAX_DISTINCT`` distinct payloads are returned
-        (the ranks only) instead of ending the call: for findings, where many may differ.
+        """`exchange`, keeping the ranks past the cap instead of ending the call.
+
+        Ranks past ``collectives.MAX_DISTINCT`` distinct payloads are returned (the ranks only):
+        for findings, where many may differ.
 
         NOTE: [what the words carry] Each rank's word (the digest ``distinct`` compares) keeps
         a failure bit and 16 bits of the digest of the arguments and of `same`, so a failure, or
@@ -283,7 +285,9 @@ class Call:
             raise RankFailure(differ)
         return [Group(g.ranks, g.payload[2]) for g in groups], past
 
-    def step(self, step: str, fn: Callable[[], T], *, agree_on: Callable[[T], Any] | None = None) -> T:
+    def step(
+        self, step: str, fn: Callable[[], T], *, agree_on: Callable[[T], Any] | None = None
+    ) -> T:
         """`fn` run locally, then one agreement (`exchange`).
 
         Args:
@@ -415,7 +419,11 @@ def _failure(failed: list[Group], past: list[int], world: int) -> Failure:
     others = f" (and on ranks {_few(more)})" if more else ""
     where = f" on rank {rank}{others}" if world > 1 else ""
     if step == ARGUMENTS:  # a usage error: the error itself, then where
-        text = f"{message} (on rank {rank}{', ' + str(more) if more else ''})" if world > 1 else message
+        text = (
+            f"{message} (on rank {rank}{', ' + str(more) if more else ''})"
+            if world > 1
+            else message
+        )
     else:
         text = f"{step} failed{where}: {message}"
     everyone = len(ranks) == world and world > 1

@@ -1,7 +1,7 @@
 """fsdpcheck.integrations.accelerate with accelerate's real save_state / load_state (2 ranks).
 
-The registered scenarios of tests/dist/accelerate/accelerate_scenarios.py run in the 2-rank spawn (the
-``spawns`` fixture, shared with the other multi-rank tests);
+The registered scenarios of tests/dist/accelerate/accelerate_scenarios.py run in the 2-rank spawn
+(the ``spawns`` fixture, shared with the other multi-rank tests);
 ``test_scenario[<name>]`` checks one: no error on any rank, the ranks agree, its checks hold.
 """
 

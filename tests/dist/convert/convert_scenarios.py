@@ -1,4 +1,5 @@
-"""verify and fingerprint through a conversion on FSDP2 gloo ranks (tests/dist/convert/test_convert_dist.py).
+"""verify and fingerprint through a conversion on FSDP2 gloo ranks
+(tests/dist/convert/test_convert_dist.py).
 
 The live model is in the source layout of ``tests/convert_cases`` (torchtitan's kind), sharded
 with FSDP2; the reference files are what the conversion writes from the same values (Hugging

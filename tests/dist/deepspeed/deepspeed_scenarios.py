@@ -26,8 +26,8 @@ import fsdpcheck
 from fsdpcheck.box import ravel
 from fsdpcheck.testing import unchanged
 from tests.corpus.ds import _import_deepspeed, make_engine
-from tests.dist_harness import Registry, World
 from tests.dist.verify.verify_scenarios import hexes, report
+from tests.dist_harness import Registry, World
 
 REGISTRY = Registry()
 scenario = REGISTRY.scenario

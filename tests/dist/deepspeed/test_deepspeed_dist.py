@@ -1,8 +1,8 @@
 """A live DeepSpeed ZeRO-3 engine, verified and fingerprinted from its partitions (2 ranks).
 
-The scenarios of tests/dist/deepspeed/deepspeed_scenarios.py run in the 2-rank spawn that the other multi-rank
-tests share (the ``spawns`` fixture); ``test_scenario[w2-<name>]`` checks one: no error on any
-rank, the ranks agree, its checks hold.
+The scenarios of tests/dist/deepspeed/deepspeed_scenarios.py run in the 2-rank spawn that the other
+multi-rank tests share (the ``spawns`` fixture); ``test_scenario[w2-<name>]`` checks one: no error
+on any rank, the ranks agree, its checks hold.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Failures on some ranks only: the same one-line verdict on every rank, the failing rank named.
 
-The registered scenarios (tests/dist/failures/failure_scenarios.py) run in the shared spawn; a rank SIGKILLed
-in the middle of verify needs a world of its own.
+The registered scenarios (tests/dist/failures/failure_scenarios.py) run in the shared spawn; a rank
+SIGKILLed in the middle of verify needs a world of its own.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from tests.dist_harness import Spawns
 from tests.dist.failures.failure_scenarios import REGISTRY
+from tests.dist_harness import Spawns
 
 SCENARIOS_MODULE = "tests.dist.failures.failure_scenarios"
 

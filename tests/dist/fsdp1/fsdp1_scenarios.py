@@ -276,10 +276,10 @@ ACCELERATE = "tests.dist.fsdp1.fsdp1_scenarios:run_accelerate"
 def accelerator(**plugin_args: Any) -> Any:
     """An Accelerator with an FSDP1 plugin (its defaults unless given) honoured on CPU ranks.
 
-    accelerate takes its FSDP path only on GPUs. As for FSDP2 (tests/dist/accelerate/accelerate_scenarios.py)
-    its state is switched to FSDP after construction; FSDP1 also needs the device to be plain
-    ``cpu`` (accelerate says ``cpu:0``, which FSDP1 refuses as "Inconsistent compute device and
-    `device_id`").
+    accelerate takes its FSDP path only on GPUs. As for FSDP2
+    (tests/dist/accelerate/accelerate_scenarios.py) its state is switched to FSDP after
+    construction; FSDP1 also needs the device to be plain ``cpu`` (accelerate says ``cpu:0``, which
+    FSDP1 refuses as "Inconsistent compute device and `device_id`").
 
     NOTE: [FSDP1 offload on CPU] accelerate's FULL_STATE_DICT save forces ``offload_to_cpu``
     with several processes; on a CPU device torch's ``FlatParamHandle.to_cpu`` "moves" the

@@ -1,7 +1,7 @@
 """FSDP1 model and optimizer state verified from the flat runs, against torch and accelerate saves.
 
-The torch FSDP1 scenarios (tests/dist/fsdp1/fsdp1_scenarios.py) run in the 2- and 4-rank spawns the other
-multi-rank tests share; accelerate's run in a 2-rank spawn of their own (they change
+The torch FSDP1 scenarios (tests/dist/fsdp1/fsdp1_scenarios.py) run in the 2- and 4-rank spawns the
+other multi-rank tests share; accelerate's run in a 2-rank spawn of their own (they change
 process-wide accelerate state). Each check: no error on any rank, the ranks agree, and the
 checks below hold.
 """
@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from tests.dist_harness import Checks, Spawns, run_ranks
 from tests.dist.fsdp1.fsdp1_scenarios import (
     ACCELERATE,
     LIVE_MOMENT,
@@ -21,6 +20,7 @@ from tests.dist.fsdp1.fsdp1_scenarios import (
     PLANT_WEIGHT,
     REGISTRY,
 )
+from tests.dist_harness import Checks, Spawns, run_ranks
 
 SCENARIOS_MODULE = "tests.dist.fsdp1.fsdp1_scenarios"
 CASES = REGISTRY.cases()

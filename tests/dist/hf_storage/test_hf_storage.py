@@ -1,9 +1,9 @@
 """torch's HuggingFaceStorageWriter per-rank shards, read as one sharded checkpoint.
 
-Live checks run as scenarios of tests/dist/hf_storage/hf_storage_scenarios.py in the shared 2-rank spawn (the
-``spawns`` fixture); the folders they saved with torch's own writer are then read offline here,
-and copies of them are damaged header by header. A hypothesis property drives the reader with
-random chunkings (gaps, overlaps, empty boxes) written the way the writer writes them.
+Live checks run as scenarios of tests/dist/hf_storage/hf_storage_scenarios.py in the shared 2-rank
+spawn (the ``spawns`` fixture); the folders they saved with torch's own writer are then read
+offline here, and copies of them are damaged header by header. A hypothesis property drives the
+reader with random chunkings (gaps, overlaps, empty boxes) written the way the writer writes them.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from fsdpcheck.sources import open_source
 from fsdpcheck.sources.base import CheckpointError, CoverageError, Region
 from fsdpcheck.sources.hf_storage import HFStorageSource
 from tests.corpus.hf_storage import KEYS, PLANTED
-from tests.dist_harness import Checks, Spawns
 from tests.dist.hf_storage.hf_storage_scenarios import REGISTRY
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.dist.hf_storage.hf_storage_scenarios"
 CASES = REGISTRY.cases()

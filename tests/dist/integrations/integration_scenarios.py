@@ -1,7 +1,8 @@
 """Trainer integrations on 4 gloo CPU ranks (see dist_harness): torchtitan, Lightning, HF, watch.
 
 Each scenario builds its own model, optimizer and trainer objects, in its own directory, and
-returns a JSON summary that tests/dist/integrations/test_integrations.py checks. Planted faults restore on exit.
+returns a JSON summary that tests/dist/integrations/test_integrations.py checks. Planted faults
+restore on exit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Trainer integrations with the real trainers on 4 gloo CPU ranks, and ReplicaWatch.
 
-One spawn runs every scenario of tests/dist/integrations/integration_scenarios.py; ``test_scenario[<name>]``
-checks one: no error on any rank, the ranks agree, its checks hold.
+One spawn runs every scenario of tests/dist/integrations/integration_scenarios.py;
+``test_scenario[<name>]`` checks one: no error on any rank, the ranks agree, its checks hold.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from typing import Any
 import pytest
 
 import fsdpcheck
-from tests.dist_harness import Checks, run_ranks, scenario_result
 from tests.dist.integrations.integration_scenarios import REGISTRY
+from tests.dist_harness import Checks, run_ranks, scenario_result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks(
-        4, "tests.dist.integrations.integration_scenarios:run_world", tmp_path_factory.mktemp("integrations")
+        4,
+        "tests.dist.integrations.integration_scenarios:run_world",
+        tmp_path_factory.mktemp("integrations"),
     )
 
 

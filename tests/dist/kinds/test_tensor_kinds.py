@@ -18,8 +18,8 @@ import torch
 import fsdpcheck
 from fsdpcheck._compat import dense_inner, tensor_kind_problem
 from fsdpcheck.layout import local_layout, strides_problem
-from tests.dist_harness import Checks, Spawns
 from tests.dist.kinds.kinds_scenarios import REGISTRY, Opaque, Wrapped, kinds
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.dist.kinds.kinds_scenarios"
 CASES = REGISTRY.cases()

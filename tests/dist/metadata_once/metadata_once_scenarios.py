@@ -6,8 +6,8 @@ check (``dcp_index.check``), the opens that trusted another rank's digest, the s
 each local piece was cut against (``verification._along_chunks``) and the DTensor layouts worked
 out (``layout._work_out``). They come back under
 "rank_local", next to what every rank must agree on (the report). The checkpoint is saved by 4
-ranks (W = 2 reads one written by more ranks than it has). tests/dist/metadata_once/test_metadata_once.py checks
-them.
+ranks (W = 2 reads one written by more ranks than it has).
+tests/dist/metadata_once/test_metadata_once.py checks them.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from torch import nn
 
 import fsdpcheck
 from fsdpcheck import layout, saving, verification
-from fsdpcheck.sources.dcp import source as dcp
 from fsdpcheck.sources.dcp import index as dcp_index
 from fsdpcheck.sources.dcp import load as safe_reader
+from fsdpcheck.sources.dcp import source as dcp
 from fsdpcheck.testing import plant
-from tests.dist_harness import Registry, World
 from tests.dist.scale.scale_scenarios import sharded
+from tests.dist_harness import Registry, World
 
 REGISTRY = Registry()
 scenario = REGISTRY.scenario

@@ -1,9 +1,9 @@
 """``.metadata`` read and checked once per job, its parse reused, pieces cut by bisection.
 
-Multi-rank (tests/dist/metadata_once/metadata_once_scenarios.py, W = 2 and 4, a checkpoint saved by 4 ranks): per
-verify or load, ``.metadata`` is parsed once on every rank and checked on rank 0 alone, the
-other ranks trusting its digest; a rank whose bytes differ checks itself and the verdict is the
-same everywhere; a damaged or broken checkpoint gives every rank the same report or the same
+Multi-rank (tests/dist/metadata_once/metadata_once_scenarios.py, W = 2 and 4, a checkpoint saved by
+4 ranks): per verify or load, ``.metadata`` is parsed once on every rank and checked on rank 0
+alone, the other ranks trusting its digest; a rank whose bytes differ checks itself and the verdict
+is the same everywhere; a damaged or broken checkpoint gives every rank the same report or the same
 one-line error; each local piece is cut against the chunks it meets only; a layout is worked
 out once per (mesh, placements, shape). Single process: load parses once, and a key of 16,384
 chunks is searched, not scanned. Exact counts, never times.
@@ -24,11 +24,11 @@ import fsdpcheck
 from fsdpcheck import verification
 from fsdpcheck.sources.dcp import index as dcp_index
 from fsdpcheck.sources.dcp import load as safe_reader
-from fsdpcheck.sources.dcp.source import DCPSource
 from fsdpcheck.sources.dcp.index import StorageProblems
-from tests.dist_harness import Spawns
+from fsdpcheck.sources.dcp.source import DCPSource
 from tests.dist.metadata_once.metadata_once_scenarios import WORLDS
 from tests.dist.scale.scale_scenarios import KEYS
+from tests.dist_harness import Spawns
 
 SCENARIOS_MODULE = "tests.dist.metadata_once.metadata_once_scenarios"
 

@@ -1,7 +1,7 @@
 """``python -m fsdpcheck ARGS`` whose checkpoint reads fail as a disk would (EIO).
 
-Used as one process of a torchrun launch (tests/dist/offline/test_offline_dist.py): a read failure on that
-process alone, behind the real command line.
+Used as one process of a torchrun launch (tests/dist/offline/test_offline_dist.py): a read failure
+on that process alone, behind the real command line.
 """
 
 from __future__ import annotations

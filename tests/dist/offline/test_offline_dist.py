@@ -1,8 +1,8 @@
 """compare, fingerprint and audit --deep spread over the processes of a torchrun launch.
 
-The scenarios (tests/dist/offline/offline_dist_scenarios.py) run the command line on 2 and 4 gloo ranks of
-the shared spawn, inside ``offline_dist`` sessions over the harness's group, against the same
-command alone; two real ``torchrun`` launches then check what only the launcher shows (the
+The scenarios (tests/dist/offline/offline_dist_scenarios.py) run the command line on 2 and 4 gloo
+ranks of the shared spawn, inside ``offline_dist`` sessions over the harness's group, against the
+same command alone; two real ``torchrun`` launches then check what only the launcher shows (the
 environment, the group made and destroyed, each process's exit code and output). The plan's
 pieces (``share``, ``piece_bytes``) and the per-pair tally are checked as properties.
 """
@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests import REPO_ROOT
 import pytest
 import torch
 from hypothesis import given
@@ -31,8 +30,15 @@ from fsdpcheck.comparison import _Tally
 from fsdpcheck.kernels import TensorDiff
 from fsdpcheck.ops import COLUMNS, ROW_WORDS
 from fsdpcheck.stats import KeyStats
+from tests import REPO_ROOT
+from tests.dist.offline.offline_dist_scenarios import (
+    PLANTED,
+    REGISTRY,
+    build,
+    commands,
+    without_seconds,
+)
 from tests.dist_harness import Checks, Spawns
-from tests.dist.offline.offline_dist_scenarios import PLANTED, REGISTRY, build, commands, without_seconds
 
 SCENARIOS_MODULE = "tests.dist.offline.offline_dist_scenarios"
 CASES = REGISTRY.cases()

@@ -1,15 +1,15 @@
 """Pipeline parallel x FSDP2 (torch's pipelining, 2 stages x 2 ranks): one verdict for the job.
 
-The scenarios are in tests/dist/pp/pp_scenarios.py; the shared spawns run them (see dist_harness). The
-harness checks that every rank returned the same result.
+The scenarios are in tests/dist/pp/pp_scenarios.py; the shared spawns run them (see dist_harness).
+The harness checks that every rank returned the same result.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.dist_harness import Checks, Spawns
 from tests.dist.pp.pp_scenarios import REGISTRY
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.dist.pp.pp_scenarios"
 CASES = REGISTRY.cases()

@@ -4,7 +4,8 @@ Every collective entry point runs here under ``dist.runner`` (NOTE: [one step ru
 scenario returns what every rank saw, and the harness checks that every rank returned the same
 (entries named "rank_local" aside). Every call is given ``timeout=`` (``DEADLINE``), so a rank
 left waiting would end the scenario with RankStoppedError instead of hanging the spawn. The
-faults that stop a rank (SIGSTOP, SIGKILL) need worlds of their own: tests/dist/reliability/test_reliability.py.
+faults that stop a rank (SIGSTOP, SIGKILL) need worlds of their own:
+tests/dist/reliability/test_reliability.py.
 """
 
 from __future__ import annotations

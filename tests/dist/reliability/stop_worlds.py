@@ -1,4 +1,5 @@
-"""Ranks that stop answering in the middle of a call: worlds of their own (tests/dist/reliability/test_reliability.py).
+"""Ranks that stop answering in the middle of a call: worlds of their own
+(tests/dist/reliability/test_reliability.py).
 
 A rank stopped with SIGSTOP is alive (its connections stay open) and answers nothing; one killed
 with SIGKILL is gone. Either way every other rank must end the call with the same one line

@@ -1,19 +1,20 @@
 """A call a training job can trust: every rank ends with one line, within a deadline.
 
-The registered scenarios (tests/dist/reliability/reliability_scenarios.py) run in the shared spawn: a failure on
-one rank at every local step of every entry point, every argument that must agree differing on
-one rank, two threads on one group, shards some rank leaves out, element counts under HSDP.
+The registered scenarios (tests/dist/reliability/reliability_scenarios.py) run in the shared spawn:
+a failure on one rank at every local step of every entry point, every argument that must agree
+differing on one rank, two threads on one group, shards some rank leaves out, element counts under
+HSDP.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests import REPO_ROOT
 import pytest
 
-from tests.dist_harness import Checks, Spawns
+from tests import REPO_ROOT
 from tests.dist.reliability.reliability_scenarios import DEADLINE, INJECTED, REGISTRY
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.dist.reliability.reliability_scenarios"
 CASES = REGISTRY.cases()
@@ -163,8 +164,8 @@ def a_local_error_is_everyones(r: dict, world: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------
-# A rank that stops answering: worlds of their own (tests/dist/reliability/stop_worlds.py), both world sizes at
-# once (their ranks mostly wait), each under a hard outer timeout.
+# A rank that stops answering: worlds of their own (tests/dist/reliability/stop_worlds.py), both
+# world sizes at once (their ranks mostly wait), each under a hard outer timeout.
 ENTRIES = ("verify", "fingerprint", "save", "load")
 #: The deadline of most cases (timeout=); the cases with timeout None take the group's own.
 SHORT = 3.0
@@ -276,7 +277,6 @@ def _fsdpcheck(args: list[str], env: dict[str, str], timeout: float = 120) -> An
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     root = REPO_ROOT
     full = {k: v for k, v in os.environ.items() if k not in env}

@@ -1,4 +1,5 @@
-"""Checkpoints in object storage on 2 FSDP2 ranks (tests/dist/s3/s3_scenarios.py), against moto's server.
+"""Checkpoints in object storage on 2 FSDP2 ranks (tests/dist/s3/s3_scenarios.py), against moto's
+server.
 
 verify of the live model against ``s3://`` (clean, and one element planted on rank 1, named at
 its key, index and rank), load from and save to ``s3://``, the offline commands spread over the

@@ -3,12 +3,13 @@
 Every scenario runs one entry point on an FSDP2 model of ``KEYS`` small tensors with every
 torch.distributed collective counted (``fsdpcheck.testing.count_collectives``) and returns the
 counts under "rank_local" (they differ between ranks: a broadcast's source receives nothing),
-next to what every rank must agree on (the verdict, the keys checked). tests/dist/scale/test_scale.py
-compares the counts at the two world sizes.
+next to what every rank must agree on (the verdict, the keys checked).
+tests/dist/scale/test_scale.py compares the counts at the two world sizes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,37 +213,51 @@ def _called(fn: Callable[[], Any], report: Callable[[], Any]) -> dict[str, Any]:
     return out
 
 
+def _library(name: str) -> bool:
+    """Whether a trainer library is installed (the CUDA build's venv has none of them)."""
+    return importlib.util.find_spec(name) is not None
+
+
 @scenario(*WORLDS)
 def integrations(w: World) -> Any:
     """The trainer integrations' resume checks, through their own code: accelerate's
     verify_state on a save_state folder, Lightning's and transformers' VerifyOnResume on a
-    resumed run (the trainers reduced to what the callbacks read of them)."""
-    from fsdpcheck.integrations.accelerate import verify_state
-    from fsdpcheck.integrations.lightning import VerifyOnResume as LightningResume
-
+    resumed run (the trainers reduced to what the callbacks read of them). A library that is
+    not installed is said so (every rank has the same venv), and its test skips."""
+    out: dict[str, Any] = {}
     folder = _accelerate_folder(w, "accelerate")
-    accelerator = SimpleNamespace(_models=[w.base.model], _optimizers=[])
-    out = {"accelerate": counted(lambda: verify_state(accelerator, folder))}
-    lightning = LightningResume(check_optimizer=False)
-    trainer = SimpleNamespace(
-        ckpt_path=str(w.ckpts["saved"]), optimizers=[], is_global_zero=w.rank == 0
-    )
-    out["lightning"] = _called(lambda: lightning.on_train_start(trainer, w.base.model),
-                               lambda: lightning.report)  # fmt: skip
-    try:
-        from fsdpcheck.integrations.transformers import VerifyOnResume
-    except ImportError:  # a venv without transformers: the test says so
-        out["transformers"] = {"absent": "transformers"}
-        return out
-    hf = VerifyOnResume(checkpoint=str(folder), check_optimizer=False)
-    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(w.workdir))
-    from transformers import TrainerControl, TrainerState
+    if _library("accelerate"):
+        from fsdpcheck.integrations.accelerate import verify_state
 
-    state = TrainerState(global_step=3, is_world_process_zero=w.rank == 0)
-    out["transformers"] = _called(
-        lambda: hf.on_train_begin(args, state, TrainerControl(), model=w.base.model),
-        lambda: hf.report,
-    )
+        accelerator = SimpleNamespace(_models=[w.base.model], _optimizers=[])
+        out["accelerate"] = counted(lambda: verify_state(accelerator, folder))
+    else:
+        out["accelerate"] = {"absent": "accelerate"}
+    if _library("lightning") or _library("pytorch_lightning"):
+        from fsdpcheck.integrations.lightning import VerifyOnResume as LightningResume
+
+        lightning = LightningResume(check_optimizer=False)
+        trainer = SimpleNamespace(
+            ckpt_path=str(w.ckpts["saved"]), optimizers=[], is_global_zero=w.rank == 0
+        )
+        out["lightning"] = _called(lambda: lightning.on_train_start(trainer, w.base.model),
+                                   lambda: lightning.report)  # fmt: skip
+    else:
+        out["lightning"] = {"absent": "lightning"}
+    if _library("transformers"):
+        from transformers import TrainerControl, TrainerState
+
+        from fsdpcheck.integrations.transformers import VerifyOnResume
+
+        hf = VerifyOnResume(checkpoint=str(folder), check_optimizer=False)
+        args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(w.workdir))
+        state = TrainerState(global_step=3, is_world_process_zero=w.rank == 0)
+        out["transformers"] = _called(
+            lambda: hf.on_train_begin(args, state, TrainerControl(), model=w.base.model),
+            lambda: hf.report,
+        )
+    else:
+        out["transformers"] = {"absent": "transformers"}
     return out
 
 

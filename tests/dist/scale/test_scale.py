@@ -1,10 +1,10 @@
 """Bytes received per rank do not grow with the world size, for every collective entry point.
 
-The scenarios (tests/dist/scale/scale_scenarios.py) run each entry point at world sizes 2 and 4 with every
-torch.distributed collective counted; here the counts of the two world sizes are compared: the
-same collectives, and the same bytes received per rank (exact counts, not times). fsdpcheck's
-own collectives only: DCP's (its planner gathers every rank's plan to the coordinator) are
-counted apart. Where a gather of a few words per rank is the design (the ranks holding each
+The scenarios (tests/dist/scale/scale_scenarios.py) run each entry point at world sizes 2 and 4
+with every torch.distributed collective counted; here the counts of the two world sizes are
+compared: the same collectives, and the same bytes received per rank (exact counts, not times).
+fsdpcheck's own collectives only: DCP's (its planner gathers every rank's plan to the coordinator)
+are counted apart. Where a gather of a few words per rank is the design (the ranks holding each
 version of a replica that disagrees), its exact size is pinned.
 """
 
@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import ast
 import pickle
-from pathlib import Path
 from typing import Any
 
-from tests import REPO_ROOT
 import pytest
 
-from tests.dist_harness import Spawns
+from tests import REPO_ROOT
 from tests.dist.scale.scale_scenarios import KEYS, REGISTRY, WORLDS
+from tests.dist_harness import Spawns
 
 SCENARIOS_MODULE = "tests.dist.scale.scale_scenarios"
 SMALL, LARGE = WORLDS

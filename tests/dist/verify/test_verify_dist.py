@@ -1,9 +1,9 @@
 """fsdpcheck.verify on gloo CPU ranks: FSDP2, HSDP, 2D, DDP, FSDP1, resharding, every reference.
 
-The scenarios are registered functions in tests/dist/verify/verify_scenarios.py; one spawn per world size
-(the ``spawns`` fixture) runs those the selected tests need. ``test_scenario[w4-one_element]``
-checks that scenario: it ran without an error on every rank, every rank got the same result, and
-its checks (registered here under the scenario's name) hold.
+The scenarios are registered functions in tests/dist/verify/verify_scenarios.py; one spawn per
+world size (the ``spawns`` fixture) runs those the selected tests need.
+``test_scenario[w4-one_element]`` checks that scenario: it ran without an error on every rank,
+every rank got the same result, and its checks (registered here under the scenario's name) hold.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.dist_harness import Checks, Spawns
 from tests.dist.verify.verify_scenarios import REGISTRY
+from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.dist.verify.verify_scenarios"
 CASES = REGISTRY.cases()

@@ -588,7 +588,7 @@ def reshard_fingerprints(w: World) -> Any:
     return hexes(fingerprint(w.base.fresh, w.base.fopt))
 
 
-# --- the embedded demo's rows (its command line: tests/process/test_demo.py) ---------------------------
+# --- the embedded demo's rows (its command line: tests/process/test_demo.py) ---------------
 @scenario(2, 3, 4)
 def demo_outcomes(w: World) -> Any:
     """The demo's rows at 2 ranks (shards of 52 and 51 rows swapped), 3 (a 3x1 2D mesh), 4."""
