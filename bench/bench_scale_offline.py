@@ -1,7 +1,9 @@
 """Offline commands at scale: a million DCP chunks, a million safetensors entries, 100k tensors.
 
-Builds (once, cached under ``--keep``) and times, each command in a fresh process, wall time
-and peak RSS (``ru_maxrss`` of the child):
+Builds (once, cached under ``--keep``) and times, each command in a fresh process, wall time,
+CPU time (user + system of the child) and peak RSS (``ru_maxrss`` of the child), with the
+machine's load average when it ran (on a shared machine, CPU seconds move far less with the
+load than wall seconds do):
 
   * ``chunks``: a DCP ``.metadata`` of 1,000 tensors x 1,024 saving ranks (1,024,000 chunks),
     built with DCP's own metadata classes the way ``dcp.save`` builds it (each rank's plan and
@@ -272,14 +274,17 @@ def main() -> None:
     results = []
     for name, argv in rows:
         runs = [run(argv) for _ in range(args.reps)]
+        load = os.getloadavg()[0]  # the last minute's, as the command ends
         wall = statistics.median(r[0] for r in runs)
         rss = max(r[1] for r in runs)
         cpu = statistics.median(r[4] for r in runs)
-        results.append({"name": name, "wall": wall, "cpu": cpu, "rss": rss, "rc": runs[-1][2]})
+        results.append(
+            {"name": name, "wall": wall, "cpu": cpu, "rss": rss, "rc": runs[-1][2], "load": load}
+        )
         tail = runs[-1][3][:80]
         print(
-            f"{name:36} {wall:7.2f} s {cpu:7.2f} s CPU {rss / 2**20:8.0f} MB  rc={runs[-1][2]}  "
-            f"{tail}",
+            f"{name:36} {wall:7.2f} s {cpu:7.2f} s CPU {rss / 2**20:8.0f} MB  load {load:5.1f}  "
+            f"rc={runs[-1][2]}  {tail}",
             flush=True,
         )
     if args.json:

@@ -18,6 +18,7 @@ import hashlib
 import io
 import os
 import pickle
+import pickletools
 import subprocess
 import sys
 import textwrap
@@ -302,6 +303,73 @@ def test_every_way_of_pickling_is_read_as_columns(
     assert plain_entries <= 2, plain_entries
     streamed, objects, _ = read_both(path, monkeypatch)
     assert streamed == objects == trusted_summary(path)
+
+
+def _frames(raw: bytes) -> list[int]:
+    """Where the FRAME ops of a pickle are."""
+    return [pos for op, _, pos in pickletools.genops(raw) if op.name == "FRAME"]
+
+
+@pytest.fixture(scope="module")
+def framed_metadata(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    """~200 KB of metadata at protocol 4: pickle.dump frames it every 64 KB, mid-record."""
+    tensors = {f"layers.{i}.weight": torch.zeros(48, 2) for i in range(24)}
+    p = write_dcp(tmp_path_factory.mktemp("fr") / "ck", tensors, 48, protocol=4)
+    return p, (p / ".metadata").read_bytes()
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+@pytest.mark.parametrize(
+    "how",
+    [{}, {"paths": "fresh", "order": "tensor", "offsets": "shared", "shared": True}],
+    ids=["dcp-save", "all"],
+)
+def test_records_split_by_frames_are_read_in_their_runs(
+    how: dict[str, Any], protocol: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FRAME op between two ops of a record (pickle.dump writes one every 64 KB) is no op to
+    the machine: the record is read as columns in its run, without it, and reads the same."""
+    tensors = {f"layers.{i}.weight": torch.zeros(64, 2) for i in range(40)}
+    path = write_dcp(tmp_path / "ck", tensors, 64, protocol=protocol, **how)
+    assert len(_frames((path / ".metadata").read_bytes())) >= 6
+    passes, plain_chunks, plain_entries = columns_read(path, monkeypatch)
+    assert passes == [True]
+    # As with one frame: the first record of each kind, and a fresh path of a new length.
+    assert plain_chunks + plain_entries <= 3, (plain_chunks, plain_entries)
+    streamed, objects, _ = read_both(path, monkeypatch)
+    assert streamed == objects == trusted_summary(path)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_frames_moved_or_grown_read_as_the_unpickler_reads_them(
+    framed_metadata: tuple[Path, bytes], data: st.DataObject
+) -> None:
+    """A FRAME header moved into the middle of an op, one added, or one claiming more bytes
+    than the file may hold: column runs give what the objects give."""
+    path, raw = framed_metadata
+    frames = _frames(raw)
+    buf = bytearray(raw)
+    at = data.draw(st.sampled_from(frames[1:]))  # the first, after PROTO, is read op by op
+    how = data.draw(st.sampled_from(["move", "add", "grow"]))
+    if how == "grow":
+        buf[at + 1 : at + 9] = data.draw(st.sampled_from([1 << 62, 1 << 40])).to_bytes(8, "little")
+    else:
+        header = bytes(buf[at : at + 9])
+        if how == "move":
+            del buf[at : at + 9]
+        to = at + data.draw(st.integers(-120, 120))
+        buf[to:to] = header
+    try:
+        (path / ".metadata").write_bytes(bytes(buf))
+        objects = _outcome(path, 1 << 40)
+        streamed = _outcome(path, 0)
+    finally:
+        (path / ".metadata").write_bytes(raw)
+    if objects[0] == "ok":
+        assert streamed == objects
+    else:
+        assert streamed[0] == "error"
 
 
 def test_a_reference_into_a_record_read_as_columns_reads_the_file_as_objects(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fsdpcheck._collector import paused
 from fsdpcheck._unpickle import UnsafePickleError
 from fsdpcheck.sources.base import (
     CheckpointError,
@@ -63,6 +65,7 @@ from fsdpcheck.sources.dcp.stream import (
     ChunkRun,
     Fallback,
     Parsed,
+    StorageRun,
     Stream,
     StreamError,
     read_metadata_stream,
@@ -378,25 +381,34 @@ def open_index(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        parsed = read_parsed(root)
-        if parsed.nbytes >= 4 << 20:
-            _trim()  # the windows and records of the read, before the columns are built
-        try:
-            index = build_index(parsed, root)
-        except Fallback:
-            # Column runs and plain objects disagree where the same position is set twice (or
-            # the file is malformed there): what a dict makes of it decides, read as objects.
-            parsed = read_parsed(root, columns=False)
-            index = build_index(parsed, root)
-        big = parsed.nbytes >= 4 << 20
-        del parsed
-        if big:
-            _trim()
-        if trusted_digest is not None and trusted_digest == index.digest:
-            return index, None
-        return index, check(index)
+        # NOTE: [collector] in ``fsdpcheck._collector``: the read makes millions of short-lived
+        # tuples (the records' matches), each counting towards a young collection.
+        with paused():
+            return _open(root, trusted_digest)
     finally:
         torch.set_num_threads(threads)
+
+
+def _open(
+    root: Path | RemotePath, trusted_digest: str | None
+) -> tuple[DcpIndex, StorageProblems | None]:
+    parsed = read_parsed(root)
+    if parsed.nbytes >= 4 << 20:
+        _trim()  # the windows and records of the read, before the columns are built
+    try:
+        index = build_index(parsed, root)
+    except Fallback:
+        # Column runs and plain objects disagree where the same position is set twice (or
+        # the file is malformed there): what a dict makes of it decides, read as objects.
+        parsed = read_parsed(root, columns=False)
+        index = build_index(parsed, root)
+    big = parsed.nbytes >= 4 << 20
+    del parsed
+    if big:
+        _trim()
+    if trusted_digest is not None and trusted_digest == index.digest:
+        return index, None
+    return index, check(index)
 
 
 def build_index(parsed: Parsed, root: Path | RemotePath) -> DcpIndex:
@@ -562,27 +574,28 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str, runs: bool) -> None:
         return i
 
     D = index.coords.shape[1] // 2
-    # Entries in dict order, runs where they were set: columns per piece, concatenated.
-    fq: list[torch.Tensor] = []
-    fi: list[torch.Tensor] = []
-    wh: list[torch.Tensor] = []
-    tr: list[torch.Tensor] = []
-    off: list[torch.Tensor] = []
-    nd: list[torch.Tensor] = []  # offsets' number of dims (-1: no offsets, a value)
+    # Entries in dict order, runs where they were set. The plain entries between runs (a
+    # record split by a frame header, a batch's first) are gathered into lists across all
+    # their pieces and the runs' columns joined, each made into tensors once: a run of a few
+    # hundred entries costs no tensor op of its own (there are thousands).
+    flat: list[int] = []  # the offsets of every plain entry, padded to D
+    dims: list[int] = []
+    fqs: list[int] = []
+    fis: list[int] = []
+    whs: list[int] = []
+    trs: list[int] = []
+    order: list[tuple[bool, int]] = []  # per piece: (a run, its number of entries)
+    kept: list[StorageRun] = []
 
     def plain(items: list[tuple[Any, Any]]) -> None:
         if not items:
             return
-        n = len(items)
-        flat: list[int] = []  # the offsets of every entry, padded to D
-        dims = []
-        fqs, fis, whs, trs = [], [], [], []
         for idx, info in items:
             fqn, offsets = position(idx)
             fqs.append(nid(fqn))
             path = info.relative_path
             fis.append(files.setdefault(path, len(files)))
-            whs.append((info.offset, info.length))
+            whs.extend((info.offset, info.length))
             td = tuple(info.transform_descriptors or ())
             trs.append(transforms.setdefault(td, len(transforms)) if td else -1)
             if offsets is None or len(offsets) > D:
@@ -592,70 +605,91 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str, runs: bool) -> None:
                 dims.append(len(offsets))
                 flat.extend(offsets)
                 flat.extend((0,) * (D - len(offsets)))
-        o = torch.tensor(flat, dtype=torch.int64).view(n, D)
-        fq.append(torch.tensor(fqs, dtype=torch.int32))
-        fi.append(torch.tensor(fis, dtype=torch.int32))
-        wh.append(torch.tensor(whs, dtype=torch.int64).view(n, 2))
-        tr.append(torch.tensor(trs, dtype=torch.int32))
-        off.append(o)
-        nd.append(torch.tensor(dims, dtype=torch.int8))
+        order.append((False, len(items)))
 
     items = list(md.storage_data.items())
-    from_runs: list[int] = []
     at = 0
     pieces = parsed.storage_runs.pop(id(md.storage_data), [])
-    for j, (before, run) in enumerate(pieces):
-        pieces[j] = (before, None)  # type: ignore[assignment]  # its columns go once copied
+    for before, run in pieces:
         plain(items[at:before])
         at = max(at, before)
-        n = len(run)
-        if bool((run.where < 0).any()):
-            bad = int((run.where < 0).any(1).nonzero()[0])
-            col = 0 if int(run.where[bad, 0]) < 0 else 1
-            fqn = parsed.names[int(run.fqns[bad])]
-            name = ("offset", "length")[col]
-            raise CheckpointError(f"{what}: {fqn}: storage {name} is {int(run.where[bad, col])}")
-        fq.append(run.fqns.to(torch.int32))
-        fi.append(run.paths.to(torch.int32))  # name ids for now: file ids below
-        from_runs.append(len(fi) - 1)
-        wh.append(run.where)
-        tr.append(torch.full((n,), -1, dtype=torch.int32))
-        # Offsets padded (or cut) to D columns; an entry of more dims than any key matches none.
-        d = run.offsets.shape[1]
-        if d == D:
-            o = run.offsets
-        else:
-            o = torch.zeros(n, D, dtype=torch.int64)
-            o[:, : min(d, D)] = run.offsets[:, : min(d, D)]
-        off.append(o)
-        dims = run.ndims.to(torch.int8)
-        nd.append(torch.where(dims > D, -2, dims).to(torch.int8))
-        del run
+        kept.append(run)
+        order.append((True, len(run)))
     plain(items[at:])
-    if from_runs:
-        used = torch.cat([fi[i] for i in from_runs]).unique().tolist()
-        table = torch.full((len(names),), -1, dtype=torch.int32)
-        for p in used:
+    del pieces, items
+    i32, i64 = torch.int32, torch.int64
+    n_plain = len(fqs)
+    p_fq = torch.tensor(fqs, dtype=i32)
+    p_fi = torch.tensor(fis, dtype=i32)
+    p_wh = torch.tensor(whs, dtype=i64).view(n_plain, 2)
+    p_tr = torch.tensor(trs, dtype=i32)
+    p_off = torch.tensor(flat, dtype=i64).view(n_plain, D)
+    p_nd = torch.tensor(dims, dtype=torch.int8)
+    if kept:
+        r_wh = torch.cat([r.where for r in kept])
+        if bool((r_wh < 0).any()):  # the first such entry of the first such run
+            bad = int((r_wh < 0).any(1).nonzero()[0])
+            col = 0 if int(r_wh[bad, 0]) < 0 else 1
+            fqn = parsed.names[int(_joined(kept, "fqns")[bad])]
+            name = ("offset", "length")[col]
+            raise CheckpointError(f"{what}: {fqn}: storage {name} is {int(r_wh[bad, col])}")
+        r_fq = _joined(kept, "fqns").to(i32)
+        # Paths as name ids, then file ids: files the plain entries name first (in their
+        # order), then the runs' in name order.
+        r_fi = _joined(kept, "paths")
+        table = torch.full((len(names),), -1, dtype=i32)
+        for p in r_fi.unique().tolist():
             table[p] = files.setdefault(names[p], len(files))
-        for i in from_runs:
-            fi[i] = table[fi[i].long()]
+        r_fi = table[r_fi]
+        # Offsets padded (or cut) to D columns; an entry of more dims than any key matches
+        # none. The runs of one decoded batch share its width.
+        r_off = torch.cat([r.offsets if r.offsets.shape[1] == D else _width(r.offsets, D)
+                           for r in kept])  # fmt: skip
+        r_nd = torch.cat([r.ndims for r in kept])
+        r_nd = torch.where(r_nd > D, -2, r_nd).to(torch.int8)
+        r_tr = torch.full((r_fq.shape[0],), -1, dtype=i32)
+        kept.clear()  # the runs' columns go once joined
+        if n_plain:  # interleaved in dict order
+            p_sizes = [n for run, n in order if not run]
+            r_sizes = [n for run, n in order if run]
 
-    def cat(xs: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
-        out = torch.cat(xs) if xs else empty
-        xs.clear()  # the pieces go as soon as they are joined
-        return out
+            def merge(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+                ps, rs = iter(p.split(p_sizes)), iter(r.split(r_sizes))
+                return torch.cat([next(rs) if run else next(ps) for run, _ in order])
 
-    i32 = torch.int32
-    index.entry_names = cat(fq, torch.empty(0, dtype=i32))
-    index.entry_file = cat(fi, torch.empty(0, dtype=i32))
-    index.entry_where = cat(wh, torch.empty(0, 2, dtype=torch.int64))
-    index.entry_transform = cat(tr, torch.empty(0, dtype=i32))
-    e_off = cat(off, torch.empty(0, D, dtype=torch.int64))
-    e_nd = cat(nd, torch.empty(0, dtype=torch.int8))
+            pairs = ((p_fq, r_fq), (p_fi, r_fi), (p_wh, r_wh), (p_tr, r_tr), (p_off, r_off),
+                     (p_nd, r_nd))  # fmt: skip
+            cols = [merge(p, r) for p, r in pairs]
+            del pairs
+        else:
+            cols = [r_fq, r_fi, r_wh, r_tr, r_off, r_nd]
+        del r_fq, r_fi, r_wh, r_tr, r_off, r_nd
+    else:
+        cols = [p_fq, p_fi, p_wh, p_tr, p_off, p_nd]
+    del p_fq, p_fi, p_wh, p_tr, p_off, p_nd
+    index.entry_names, index.entry_file, index.entry_where, index.entry_transform = cols[:4]
+    e_off, e_nd = cols[4], cols[5]
+    del cols
     index.names = names
     index.files = list(files)
     index.transforms = list(transforms)
     _join(index, e_off, e_nd, runs)
+
+
+def _joined(runs: list[StorageRun], field: str) -> torch.Tensor:
+    """int64 [n]: the runs' name ids of `field` ("fqns" or "paths"), one after another."""
+    out = array("q")
+    for r in runs:
+        out += getattr(r, field)
+    return torch.frombuffer(out, dtype=torch.int64) if out else torch.empty(0, dtype=torch.int64)
+
+
+def _width(offsets: torch.Tensor, D: int) -> torch.Tensor:
+    """Offsets columns padded with zeros (or cut) to `D`."""
+    o = torch.zeros(offsets.shape[0], D, dtype=torch.int64)
+    d = min(offsets.shape[1], D)
+    o[:, :d] = offsets[:, :d]
+    return o
 
 
 def _join(index: DcpIndex, e_off: torch.Tensor, e_nd: torch.Tensor, runs: bool) -> None:
@@ -718,17 +752,18 @@ def _join(index: DcpIndex, e_off: torch.Tensor, e_nd: torch.Tensor, runs: bool) 
         e_code, e_in = code(kk, e_off)
         e_code = torch.where(ok & e_in, e_code, -1)
         del e_in, ok, kk
+        sorted_codes, order = torch.sort(e_code, stable=True)
         if runs:
-            codes = torch.sort(e_code[e_code >= 0]).values
-            if bool((codes[1:] == codes[:-1]).any()):
+            # Sorted, two entries at one position are neighbours (-1s, no position, first).
+            same = sorted_codes[1:] == sorted_codes[:-1]
+            if bool((same & (sorted_codes[1:] >= 0)).any()):
                 raise Fallback("two storage entries at one position")
-            del codes
+            del same
             others = (e_code < 0).nonzero().flatten().tolist()  # rare: Python is fine
             seen = {(int(index.entry_names[e]), int(e_nd[e]), tuple(e_off[e].tolist()))
                     for e in others}  # fmt: skip
             if len(seen) != len(others):
                 raise Fallback("two storage entries at one position")
-        sorted_codes, order = torch.sort(e_code, stable=True)
         del e_code
         # The chunks' positions looked up a block at a time (bounded temporaries).
         coords = index.coords[:, :D]
@@ -1097,9 +1132,14 @@ def _tiles(
         k_s = c_key[sel].long()
         o_s = index.coords[sel, d]
         s_s = index.coords[sel, D + d]
-        perm = torch.sort(o_s, stable=True).indices
-        perm = perm[torch.sort(k_s[perm], stable=True).indices]
-        k_s, o_s, s_s = k_s[perm], o_s[perm], s_s[perm]
+        # By key, then offset (ties in row order). Rows come by key, and a save lists each
+        # key's chunks by offset along the dim it cuts: then they are in order already.
+        if not bool(((k_s[1:] > k_s[:-1]) | ((k_s[1:] == k_s[:-1]) & (o_s[1:] >= o_s[:-1])))
+                    .all()):  # fmt: skip
+            perm = torch.sort(o_s, stable=True).indices
+            perm = perm[torch.sort(k_s[perm], stable=True).indices]
+            k_s, o_s, s_s = k_s[perm], o_s[perm], s_s[perm]
+            del perm
         start = torch.ones_like(k_s, dtype=torch.bool)
         start[1:] = k_s[1:] != k_s[:-1]
         end = torch.ones_like(k_s, dtype=torch.bool)

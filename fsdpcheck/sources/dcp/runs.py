@@ -56,7 +56,9 @@ import struct
 import sys
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -101,21 +103,21 @@ class StorageRun:
     """Consecutive ``MetadataIndex`` -> ``_StorageInfo`` pairs of ``storage_data``, as columns.
 
     Attributes:
-        fqns: int64 [n]: each entry's key, as an index into `ColumnRuns.names`.
-        paths: int64 [n]: each entry's relative path, as an index into `ColumnRuns.names`.
+        fqns: Each entry's key, as an index into `ColumnRuns.names` (an int64 array).
+        paths: Each entry's relative path, as an index into `ColumnRuns.names` (the same).
         offsets: int64 [n, w]: each entry's chunk offsets (its first `ndims` columns).
         ndims: int8 [n]: each entry's number of offsets (entries of tensors of any rank).
         where: int64 [n, 2]: byte offset and length in the file.
     """
 
-    fqns: torch.Tensor
-    paths: torch.Tensor
+    fqns: array[int]
+    paths: array[int]
     offsets: torch.Tensor = _EMPTY
     ndims: torch.Tensor = _EMPTY
     where: torch.Tensor = _EMPTY
 
     def __len__(self) -> int:
-        return int(self.fqns.shape[0])
+        return len(self.fqns)
 
 
 # -- record patterns ----------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class _Template:
         self.put = proto < 4  # memo slots named by BINPUT/LONG_BINPUT (not MEMOIZE)
         self.sz = 3 if ndim else 2  # memo slots of a fresh size: its tuple, args, itself
         self.ref_len = {name: len(_get(s)) for name, s in slots.items()}
+        self.per: dict[int, int] = {}  # `_per`
         memo = rb"(?:q.|r....)" if self.put else rb"\x94"
         # A fresh string of a length seen before: a regular expression cannot take a length
         # from the bytes it reads.
@@ -164,45 +167,80 @@ class _Template:
         fresh = ([rb"\x8c(?:" + b"|".join(short) + b")"] if short else []) + (
             [b"X(?:" + b"|".join(long) + b")"] if long else [])  # fmt: skip
         fresh_str = b"(?:" + b"|".join(fresh) + b")" if fresh else b"(?!)"
-        size_class = _E(_get(slots["Size"]))
-        args = _E(b"\x85") + memo + b"R" + memo  # TUPLE1 (the arguments), REDUCE
-
-        def g(x: bytes, cap: bool) -> bytes:
-            return (b"(" if cap else b"(?:") + x + b")"
-
-        def size(cap: bool) -> bytes:
-            if kind == "chunk":
-                pre = b"\\(" if ndim > 3 else b""
-                tup = (_E(_TUPLE_OP.get(ndim, b"t")) + memo) if ndim else _E(b")")
-                fresh_size = size_class + pre + INT * ndim + tup + args
-            else:  # any number of dims: the empty size, TUPLE1-3, MARK ... TUPLE
-                tup = (b"(?:" + g(_E(b")"), cap) + b"|" + INT + rb"\x85" + memo + b"|" + INT * 2
-                       + rb"\x86" + memo + b"|" + INT * 3 + rb"\x87" + memo + b"|\\(" + INT
-                       + b"{4,%d}t" % MAX_DIMS + memo + b")")  # fmt: skip
-                fresh_size = size_class + tup + args
-            return b"(?:" + fresh_size + b"|" + g(_REF, cap) + b")"
-
-        def string(cap: bool) -> bytes:
-            return b"(?:" + g(fresh_str, cap) + memo + b"|" + g(_REF, cap) + b")"
-
-        def obj(cls: str, first: str) -> bytes:
-            return (_E(_get(slots[cls]) + b")\x81") + memo + b"\\}" + memo + b"\\("
-                    + _E(_get(slots[first])))  # fmt: skip
-
-        if kind == "chunk":
-            pattern = (obj("ChunkStorageMetadata", "offsets") + size(True)
-                       + _E(_get(slots["sizes"])) + size(True) + b"ub")  # fmt: skip
-        else:
-            pattern = (
-                obj("MetadataIndex", "fqn") + string(True) + _E(_get(slots["index"]))
-                + b"(?:N|" + INT + b")" + _E(_get(slots["offset"])) + size(True) + b"ub"
-                + obj("_StorageInfo", "relative_path") + string(True)
-                + _E(_get(slots["offset"])) + INT + _E(_get(slots["length"])) + INT + b"ub"
-            )  # fmt: skip
+        self._fresh_str, self._memo = fresh_str, memo
+        pattern = self._pattern(True, lambda: b"")
         # findall from a run's start gives its records, then one match of no record that takes
         # the rest of the buffer at once (sre skips ``.+`` under DOTALL to the end in one
         # step, capturing nothing): one pass, ending where the first non-record begins.
         self.records = re.compile(b"(" + pattern + b")|.+", re.S)
+        self._framed: re.Pattern[bytes] | None = None
+
+    @property
+    def framed(self) -> re.Pattern[bytes]:
+        """A record with FRAME ops between its ops (and before it), each FRAME a group.
+
+        ``pickle.dump`` frames protocols 4 and 5 every 64 KB, between two ops of whatever it
+        writes: one record in every few hundred is split. A frame is no op to the machine, and
+        pickle's ops are self-delimiting, so where this matches, the machine reads the record
+        exactly as the same bytes without the FRAMEs (`ColumnRuns._stitch`).
+        """
+        if self._framed is None:
+            frame = rb"(?:(\x95).{8})?"
+            self._framed = re.compile(frame + self._pattern(False, lambda: frame), re.S)
+        return self._framed
+
+    def _pattern(self, cap: bool, gap: Callable[[], bytes]) -> bytes:
+        """The record's pattern: its fields captured (`cap`), `gap` between any two ops."""
+        kind, ndim, slots, memo = self.kind, self.ndim, self.slots, self._memo
+        size_class = _E(_get(slots["Size"]))
+
+        def seq(*ops: bytes) -> bytes:  # ops (or sequences of them) one after another
+            out = ops[0]
+            for op in ops[1:]:
+                out += gap() + op
+            return out
+
+        def g(x: bytes, cap: bool) -> bytes:
+            return (b"(" if cap else b"(?:") + x + b")"
+
+        def get(name: str) -> bytes:
+            return _E(_get(slots[name]))
+
+        args = seq(_E(b"\x85"), memo, b"R", memo)  # TUPLE1 (the arguments), REDUCE
+
+        def size(cap: bool) -> bytes:
+            if kind == "chunk":
+                ends = [_E(_TUPLE_OP.get(ndim, b"t")), memo] if ndim else [_E(b")")]
+                fresh_size = seq(size_class, *([b"\\("] if ndim > 3 else []), *[INT] * ndim,
+                                 *ends, args)  # fmt: skip
+            else:  # any number of dims: the empty size, TUPLE1-3, MARK ... TUPLE
+                many = INT + b"{4,%d}" % MAX_DIMS
+                if gap():  # the same, each INT its own op
+                    many = seq(INT, INT, INT, INT)
+                    for _ in range(MAX_DIMS - 4):
+                        many += b"(?:" + gap() + INT
+                    many += b")?" * (MAX_DIMS - 4)
+                tup = b"(?:" + b"|".join([
+                    g(_E(b")"), cap), seq(INT, rb"\x85", memo), seq(INT, INT, rb"\x86", memo),
+                    seq(INT, INT, INT, rb"\x87", memo), seq(b"\\(", many, b"t", memo),
+                ]) + b")"  # fmt: skip
+                fresh_size = seq(size_class, tup, args)
+            return b"(?:" + fresh_size + b"|" + g(_REF, cap) + b")"
+
+        def string(cap: bool) -> bytes:
+            return b"(?:" + seq(g(self._fresh_str, cap), memo) + b"|" + g(_REF, cap) + b")"
+
+        def obj(cls: str, first: str) -> bytes:
+            return seq(get(cls), _E(b")"), _E(b"\x81"), memo, b"\\}", memo, b"\\(", get(first))
+
+        if kind == "chunk":
+            return seq(obj("ChunkStorageMetadata", "offsets"), size(cap), get("sizes"), size(cap),
+                       b"u", b"b")  # fmt: skip
+        return seq(
+            obj("MetadataIndex", "fqn"), string(cap), get("index"), b"(?:N|" + INT + b")",
+            get("offset"), size(cap), b"u", b"b", obj("_StorageInfo", "relative_path"),
+            string(cap), get("offset"), INT, get("length"), INT, b"u", b"b",
+        )  # fmt: skip
 
 
 #: Memo slots a template needs: class objects and field names.
@@ -235,13 +273,12 @@ def _parts(t: _Template, f: int) -> list[tuple[str, int]]:
             + [("object", 0)] * 2 + [("path", 0)] * bool(f & _PATH))  # fmt: skip
 
 
-def _counts(t: _Template, flags: torch.Tensor) -> torch.Tensor:
-    """Memo slots of each record, from which of its fields were fresh (`_parts`, at once)."""
-    f = flags.to(torch.int64)
-    if t.kind == "chunk":
-        return 2 + t.sz * ((f & _OFFSETS > 0).long() + (f & _SIZES > 0).long())
-    size = torch.where(f & _OFFSET > 0, 3 - (f & _EMPTY_SIZE > 0).long(), 0)
-    return 4 + (f & _KEY > 0).long() + size + (f & _PATH > 0).long()
+def _per(t: _Template, f: int) -> int:
+    """Memo slots of a record whose fresh fields are `f` (``len(_parts(t, f))``, kept)."""
+    got = t.per.get(f)
+    if got is None:
+        got = t.per[f] = len(_parts(t, f))
+    return got
 
 
 # -- the decoder --------------------------------------------------------------------------------
@@ -253,10 +290,12 @@ _IS_INT[[0x4B, 0x4D, 0x4A, 0x8A]] = True
 _INT_BITS = torch.zeros(256, dtype=torch.int64)
 _INT_BITS[0x4B], _INT_BITS[0x4D], _INT_BITS[0x4A] = 0xFF, 0xFFFF, -1
 _PAD = 1024  # zero bytes after the records (the decoder reads a little past a record's end)
+_PADDING = bytes(_PAD)
 _BLOCK = 1 << 16  # references resolved at a time
 _BATCH = 8 << 20  # record bytes decoded together (tensor ops cost per call, memory per byte)
 _H, _J, _U, _MARK, _EMPTY_TUPLE = ord("h"), ord("j"), ord("u"), ord("("), ord(")")
 _LITTLE = sys.byteorder == "little"
+_RECORD = itemgetter(0)  # a match's record (its first group)
 
 
 class _Walk:
@@ -270,13 +309,37 @@ class _Walk:
     """
 
     def __init__(self, data: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, put: bool):
-        self.data, self.pos, self.slot, self.put = data, pos, slot, put
+        self.data, self.put = data, put
+        # What every row moves by alike (skipped bytes, MEMOIZEs) is added when next read: one
+        # tensor op for a run of them, not one each.
+        self._pos, self._slot, self._dpos, self._dslot = pos, slot, 0, 0
         self.last = data.shape[0] - 16
         self.bad = torch.zeros_like(pos, dtype=torch.bool)
         self._k = {k: torch.arange(k, dtype=torch.int64) for k in (1, 5, 10)}
         # Each position's 4 bytes as a row of a view (nothing copied): `word_at` gathers rows
         # and reads each as an int32, in place of 4 gathers and 6 shifts and ors.
         self._rows4 = data.unfold(0, 4, 1)
+        self._rows8 = data.unfold(0, 8, 1)
+
+    @property
+    def pos(self) -> torch.Tensor:
+        if self._dpos:
+            self._pos, self._dpos = self._pos + self._dpos, 0
+        return self._pos
+
+    @pos.setter
+    def pos(self, value: torch.Tensor) -> None:
+        self._pos, self._dpos = value, 0
+
+    @property
+    def slot(self) -> torch.Tensor:
+        if self._dslot:
+            self._slot, self._dslot = self._slot + self._dslot, 0
+        return self._slot
+
+    @slot.setter
+    def slot(self, value: torch.Tensor) -> None:
+        self._slot, self._dslot = value, 0
 
     def bytes_at(self, pos: torch.Tensor, k: int) -> torch.Tensor:
         """int64 [n, k]: the k bytes at each row's `pos` (clamped into the data)."""
@@ -302,10 +365,14 @@ class _Walk:
 
     def op_word(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(opcode, the 4 bytes after it as a little-endian int32, sign extended) at `pos`."""
-        return self.op_at(pos), self.word_at(pos + 1)
+        if not _LITTLE:
+            return self.op_at(pos), self.word_at(pos + 1)
+        # One gather of 8 bytes read as an int64: the opcode in bits 0-7, the word in 8-39.
+        w = self._rows8.index_select(0, pos).view(torch.int64).view(-1)
+        return w & 0xFF, (w << 24) >> 32
 
     def skip(self, n: int) -> None:
-        self.pos = self.pos + n
+        self._dpos += n
 
     @staticmethod
     def _op_slot(op: torch.Tensor, word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +382,10 @@ class _Walk:
 
     def memo(self, mask: torch.Tensor | None = None) -> None:
         """A memo op (where `mask`): it sets slot `slot` (a BINPUT must name that slot)."""
+        if mask is None and not self.put:  # MEMOIZE: every row alike
+            self._dpos += 1
+            self._dslot += 1
+            return
         one: torch.Tensor | int = 1 if mask is None else mask.to(torch.int64)
         if self.put:
             op, word = self.op_word(self.pos)
@@ -340,11 +411,11 @@ class _Walk:
     def integer(self, none: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
         """An integer op (or NONE, read as 0, with `none`); where `mask` only."""
         op, word = self.op_word(self.pos)
-        v = word & _INT_BITS[op]
-        width = _WIDTH[op]
-        is_long = op == LONG1
-        if bool(is_long.any()):
-            longs = is_long.nonzero().flatten()
+        # Table lookups by index_select (a quarter of advanced indexing's time).
+        v = word & _INT_BITS.index_select(0, op)
+        width = _WIDTH.index_select(0, op)
+        if int(op.max()) >= LONG1:  # LONG1 is the largest integer op: most batches have none
+            longs = (op == LONG1).nonzero().flatten()
             lb = self.bytes_at(self.pos[longs], 10)
             nb = lb[:, 1].clamp(max=8)
             shifts = torch.arange(0, 64, 8, dtype=torch.int64).unsqueeze(0)
@@ -403,7 +474,7 @@ class _Walk:
         values = []
         ndims = torch.zeros_like(self.pos)
         for _ in range(MAX_DIMS):
-            more = fresh & _IS_INT[self.op_at(self.pos)]
+            more = fresh & _IS_INT.index_select(0, self.op_at(self.pos))
             if not bool(more.any()):
                 break
             values.append(self.integer(mask=more))
@@ -475,38 +546,38 @@ def _decode_storage(w: _Walk, t: _Template) -> tuple[torch.Tensor, ...]:
 
 @dataclass(eq=False)
 class _Sealed:
-    """The memo slots one run filled, and how its records' slots lie (`_parts`).
+    """The memo slots some consecutive records of one run filled, and how they lie (`_parts`).
+
+    A run is one segment or more: each a stretch of its records that wrote the same fields
+    fresh (so the same number of memo slots each). A run's records mostly agree (a rank's
+    first storage record writes its path fresh, the rest refer to it): a few segments.
 
     Attributes:
         start / end: Its slots.
         template: Its records' pattern.
-        run: Its columns.
-        flags: Per record, its fresh fields (an int: the same for every record).
-        starts: int64 [n]: each record's first slot (None: `per` slots each).
-        per: Slots per record where they are the same.
+        run: Its run's columns (shared by the run's segments).
+        flags: Its records' fresh fields.
+        per: Slots per record (`_per`).
+        rec0: Its first record's place in its run.
         pending: Its records are queued, not decoded yet.
-        batch / row0: Once decoded: its columns are rows ``row0..`` of decoded batch `batch`.
+        batch / row0: Once decoded: its records are rows ``row0..`` of decoded batch `batch`.
     """
 
     start: int
     end: int
     template: _Template
     run: Any
-    flags: torch.Tensor | int
-    starts: torch.Tensor | None
+    flags: int
     per: int
+    rec0: int = 0
     pending: bool = True
     batch: int = -1
     row0: int = 0
 
     def record_of(self, i: int) -> tuple[int, int, int]:
-        """(record, its slot's place in the record, the record's flags) of memo slot `i`."""
-        if self.starts is None:
-            j, at = divmod(i - self.start, self.per)
-        else:
-            j = int(torch.searchsorted(self.starts, i, right=True)) - 1
-            at = i - int(self.starts[j])
-        return j, at, self.flags if isinstance(self.flags, int) else int(self.flags[j])
+        """(record in its run, its slot's place in the record, the record's flags) of slot `i`."""
+        j, at = divmod(i - self.start, self.per)
+        return self.rec0 + j, at, self.flags
 
 
 @dataclass(eq=False)
@@ -517,7 +588,7 @@ class _Batch:
         cols: chunks: coords [n, 2 * ndim]; storage: offsets [n, most dims].
         ndims: storage: each row's dims (None: chunks, `ndim` each).
         ndim: chunks: dims of each size.
-        runs: Its runs (their columns are views of `cols`).
+        runs: Its runs' first segments (their columns are views of `cols`).
     """
 
     cols: torch.Tensor
@@ -580,7 +651,9 @@ class ColumnRuns:
         self.names: list[str] = []
         self.name_ids: dict[str, int] = {}
         self.raw_ids: dict[bytes, int] = {}  # a string field's bytes -> name id (bounded)
-        self.pending: dict[_Template, list[tuple[_Sealed, bytes, array[int]]]] = {}
+        self.last_keys: tuple[Sequence[bytes], array[int]] | None = None  # the last run's
+        # Per template, runs to decode: (segments, bytes, record lengths).
+        self.pending: dict[_Template, list[tuple[list[_Sealed], list[Any], array[int]]]] = {}
         self.pending_bytes = 0
         self.batches: list[_Batch] = []
         # Sizes written as references: (batch, field, rows, the slots they name).
@@ -593,6 +666,16 @@ class ColumnRuns:
     def attach(self, vm: Machine) -> None:
         """The machine this plugin reads for."""
         self.vm = vm
+
+    def detach(self) -> None:
+        """The read is over: drops the machine and what only resolving references needed.
+
+        The runs handed out (`storage_runs`, the chunk runs in the metadata) keep their columns.
+        """
+        self.vm = None  # type: ignore[assignment]
+        self.sealed, self.sealed_starts, self.batches = [], [], []
+        self.pending.clear()
+        self.size_refs.clear()
 
     # -- what the machine calls ---------------------------------------------------------------
     def noted(self, i: int, value: Any, overwrite: bool) -> None:
@@ -745,87 +828,183 @@ class ColumnRuns:
             vm.need(WINDOW, soft=True)
         buf, pos = vm.buf, vm.pos
         # Chunks: the last number of dims first (a pattern that does not fit fails at the
-        # first record). A record split by a frame header fits none: it is read op by op, then
-        # the run goes on. Storage records: any number of dims.
+        # first record). Storage records: any number of dims.
         last = self.last_ndim
         tries = (last, *(d for d in range(MAX_DIMS + 1) if d != last)) if kind == "chunk" else (-1,)
+        frames = vm.proto >= 4  # pickle.dump frames protocols 4 and 5 (`_Template.framed`)
         for ndim in tries:
             t = self.template(kind, ndim)
             # Per record: its bytes, then its fields that are fresh or references (C loops
-            # over the records below; tensor ops for anything per record).
-            found = t.records.findall(buf, pos)
-            if not found[-1][0]:
-                found.pop()  # what follows the run
-            if not found:
+            # over the records below; tensor ops for anything per record). A record split by
+            # a frame header joins the run without it (`_stitch`), and the run goes on.
+            found_all: list[tuple[bytes, ...]] = []
+            lens = array("q")
+            pieces: list[memoryview | bytes] = []
+            at = pos
+            while True:
+                found = t.records.findall(buf, at)
+                if not found[-1][0]:
+                    found.pop()  # what follows the run
+                if found:
+                    part = array("q", map(len, map(_RECORD, found)))
+                    # A view: the buffer it is cut from lives until the batch is decoded (a
+                    # few windows), and the record bytes are copied once, into the batch.
+                    n = sum(part)
+                    pieces.append(memoryview(buf)[at : at + n])
+                    at += n
+                    lens += part
+                    found_all += found
+                    del found
+                stitched = self._stitch(t, buf, at) if frames else None
+                if stitched is None:
+                    break
+                record, spliced, at = stitched
+                found_all.append(record)
+                lens.append(len(spliced))
+                pieces.append(spliced)
+            if not found_all:
                 continue
-            groups = tuple(zip(*found))
-            del found
-            lens = array("q", map(len, groups[0]))
-            end = pos + sum(lens)
+            groups = tuple(zip(*found_all))
+            del found_all
+            end = at
             start = vm.memo_len
-            s = self._layout(t, groups, start)
+            segs = self._layout(t, groups, start)
             if kind == "chunk":
-                s.run = ChunkRun(len(lens))
+                run: ChunkRun | StorageRun = ChunkRun(len(lens))
                 self.chunk_runs += 1
                 self.last_ndim = ndim
             else:
-                s.run = self._storage(s, groups)
-            self.sealed.append(s)
-            self.sealed_starts.append(start)
-            vm.seal(s.end - start)
+                run = self._storage(segs, groups)
+            for seg in segs:
+                seg.run = run
+                self.sealed.append(seg)
+                self.sealed_starts.append(seg.start)
+            vm.seal(segs[-1].end - start)
             self.runs += 1
-            data = buf[pos:end]
-            self.pending.setdefault(t, []).append((s, data, lens))
-            self.pending_bytes += len(data)
+            self.pending.setdefault(t, []).append((segs, pieces, lens))
+            self.pending_bytes += sum(map(len, pieces))
             if self.pending_bytes > _BATCH:
                 self.flush()
             vm.pos = end
-            stack.append(s.run)
+            stack.append(run)
             return True
         return False
 
-    def _layout(self, t: _Template, groups: tuple[Any, ...], start: int) -> _Sealed:
-        """Which fields of each record were fresh, and so where its memo slots lie."""
-        n = len(groups[0])
-        # A group holds the fresh value (strings) or the reference (sizes), or is empty where
-        # the other alternative was taken (the empty size: the group of its empty tuple).
-        if t.kind == "chunk":
-            fields = [(groups[1], _OFFSETS, False), (groups[2], _SIZES, False)]
-        else:
-            fields = [(groups[1], _KEY, True), (groups[4], _OFFSET, False),
-                      (groups[3], _EMPTY_SIZE, True), (groups[5], _PATH, True)]  # fmt: skip
-        flags: torch.Tensor | int = 0
-        mixed = []
-        for g, bit, captured_fresh in fields:
-            empty = g.count(b"")
-            fresh = n - empty if captured_fresh else empty
-            if fresh == n:
-                flags |= bit  # type: ignore[operator]
-            elif fresh:
-                mixed.append((g, bit, captured_fresh))
-        if not mixed:
-            assert isinstance(flags, int)
-            per = len(_parts(t, flags))
-            return _Sealed(start, start + n * per, t, None, flags, None, per)
-        assert isinstance(flags, int)
-        f = torch.full((n,), flags, dtype=torch.uint8)
-        for g, bit, captured_fresh in mixed:
-            nonempty = torch.frombuffer(array("q", map(len, g)), dtype=torch.int64) > 0
-            f |= torch.where(nonempty == captured_fresh, bit, 0).to(torch.uint8)
-        counts = _counts(t, f)
-        ends = torch.cumsum(counts, 0)
-        return _Sealed(start, start + int(ends[-1]), t, None, f, start + ends - counts, 0)
+    def _stitch(
+        self, t: _Template, buf: bytes, at: int
+    ) -> tuple[tuple[bytes, ...], bytes, int] | None:
+        """A record at `at` that FRAME ops split, read as if they were not there.
 
-    def _storage(self, s: _Sealed, groups: tuple[Any, ...]) -> StorageRun:
+        Returns:
+            (its groups as `records` captures them, its bytes without the FRAMEs, where it ends
+            in `buf`), or None: no such record there (it is read op by op).
+        """
+        m = t.framed.match(buf, at)
+        if m is None:
+            return None
+        cuts = sorted(a for a, _ in m.regs[1:] if a >= 0)  # each FRAME that took part
+        kept, prev = [], at
+        for c in cuts:
+            # As the machine: a FRAME longer than the file may be is an error, not a no-op.
+            if c < prev or int.from_bytes(buf[c + 1 : c + 9], "little") > self.vm.input.limit:
+                return None
+            kept.append(buf[prev:c])
+            prev = c + 9
+        kept.append(buf[prev : m.end()])
+        spliced = b"".join(kept)
+        whole = t.records.match(spliced)
+        if not cuts or whole is None or whole.end(1) != len(spliced):
+            return None
+        return whole.groups(b""), spliced, m.end()
+
+    def _layout(self, t: _Template, groups: tuple[Any, ...], start: int) -> list[_Sealed]:
+        """Which fields of each record were fresh, and so where its memo slots lie.
+
+        The run's segments (`_Sealed`): where most records agree on a field, the few that do
+        not are found by C loops (``tuple.index``), never a Python step per record.
+        """
+        n = len(groups[0])
+        # Per field: the group of its reference (empty where the field was fresh), or for the
+        # empty size the group of its empty tuple (empty where it was not one).
+        if t.kind == "chunk":
+            fields = [(groups[1], _OFFSETS, True), (groups[2], _SIZES, True)]
+        else:
+            fields = [(groups[2], _KEY, True), (groups[4], _OFFSET, True),
+                      (groups[3], _EMPTY_SIZE, False), (groups[6], _PATH, True)]  # fmt: skip
+        flags = 0
+        odd: dict[int, int] = {}  # record -> the bits where it differs from `flags`
+        for g, bit, set_if_empty in fields:
+            empty = g.count(b"")
+            have = empty if set_if_empty else n - empty  # records with `bit`
+            if have * 2 > n:
+                flags |= bit
+            if have == 0 or have == n:
+                continue
+            # The records that differ from the majority (at most half).
+            find_empty = (have * 2 > n) != set_if_empty
+            for j in _where(g, find_empty, min(have, n - have)):
+                odd[j] = odd.get(j, 0) | bit
+        per = _per(t, flags)
+        if not odd:
+            return [_Sealed(start, start + n * per, t, None, flags, per)]
+        segs: list[_Sealed] = []
+        slot, rec = start, 0
+
+        def add(j: int, k: int, f: int) -> None:
+            nonlocal slot
+            p = _per(t, f)
+            last = segs[-1] if segs else None
+            if last is not None and last.flags == f:
+                last.end += k * p
+            else:
+                segs.append(_Sealed(slot, slot + k * p, t, None, f, p, j))
+            slot += k * p
+
+        for j in sorted(odd):
+            if j > rec:
+                add(rec, j - rec, flags)
+            add(j, 1, flags ^ odd[j])
+            rec = j + 1
+        if rec < n:
+            add(rec, n - rec, flags)
+        return segs
+
+    def _storage(self, segs: list[_Sealed], groups: tuple[Any, ...]) -> StorageRun:
         """The run's keys and paths as name ids (`names`)."""
         keys = _either(groups[1], groups[2])
-        paths = _either(groups[5], groups[6])
+        last = self.last_keys
+        if last is not None and keys == last[0]:
+            # The same keys in the same order as the run before (every rank's entries, one
+            # run a rank): the same ids, for a compare of bytes instead of a lookup each.
+            fqns = last[1][:]
+        else:
+            fqns = self._ids(keys, segs, groups)
+            self.last_keys = (keys, fqns)
+        path_ids = self._ids(_either(groups[5], groups[6]), segs, groups)
+        if len(self.raw_ids) > 1 << 16:
+            self.raw_ids.clear()
+        return StorageRun(fqns, path_ids)
+
+    def _ids(
+        self, raws: Sequence[bytes], segs: list[_Sealed], groups: tuple[Any, ...]
+    ) -> array[int]:
+        """The name ids of one string field of every record (`raws`: as written)."""
         ids = self.raw_ids
-        for raw in set(keys).union(paths).difference(ids):
+        try:  # every one seen before (most runs)
+            return array("q", map(ids.__getitem__, raws))
+        except KeyError:
+            self._learn(set(raws).difference(ids), segs, groups)
+            return array("q", map(ids.__getitem__, raws))
+
+    def _learn(self, raws: set[bytes], segs: list[_Sealed], groups: tuple[Any, ...]) -> None:
+        """The name ids of key and path fields (fresh strings or references) not seen yet."""
+        ids = self.raw_ids
+        start = segs[0].start
+        for raw in raws:
             if raw[0] in (BINGET, LONG_BINGET):
                 slot = raw[1] if raw[0] == BINGET else struct.unpack_from("<I", raw, 1)[0]
-                if slot >= s.start:  # a string an earlier record of this run memoized
-                    got = _fresh_string(s, slot, groups)
+                if slot >= start:  # a string an earlier record of this run memoized
+                    got = _fresh_string(segs, slot, groups)
                     if got is None:
                         raise Fallback("a storage record whose key or path is not a string")
                     ids[raw] = self._fresh_id(got)
@@ -836,11 +1015,6 @@ class ColumnRuns:
                     ids[raw] = self.name_id(value)
             else:
                 ids[raw] = self._fresh_id(raw)
-        fqns = torch.frombuffer(array("q", map(ids.__getitem__, keys)), dtype=torch.int64)
-        path_ids = torch.frombuffer(array("q", map(ids.__getitem__, paths)), dtype=torch.int64)
-        if len(ids) > 1 << 16:
-            ids.clear()
-        return StorageRun(fqns.clone(), path_ids.clone())
 
     def _fresh_id(self, raw: bytes) -> int:
         """The name id of a fresh string's bytes (its opcode and length, then UTF-8)."""
@@ -861,19 +1035,33 @@ class ColumnRuns:
     def flush(self) -> None:
         """Decodes every queued run's integers into its columns (tensor ops cost per call)."""
         for t, queued in self.pending.items():
-            raw = bytearray().join(d for _, d, _ in queued)
-            raw += bytes(_PAD)
+            raw = bytearray().join([*(p for _, d, _ in queued for p in d), _PADDING])
             data = torch.frombuffer(raw, dtype=torch.uint8)
-            lens = torch.cat([torch.frombuffer(ln, dtype=torch.int64) for _, _, ln in queued])
+            all_lens, seg_start, seg_per, seg_n = array("q"), array("q"), array("q"), array("q")
+            for segs, _, ln in queued:
+                all_lens += ln
+                for g in segs:
+                    seg_start.append(g.start)
+                    seg_per.append(g.per)
+                    seg_n.append((g.end - g.start) // g.per)
+            lens = torch.frombuffer(all_lens, dtype=torch.int64)
             ends = torch.cumsum(lens, 0)
-            first = torch.cat([s.starts if s.starts is not None
-                               else torch.arange(s.start, s.end, s.per)
-                               for s, _, _ in queued])  # fmt: skip
+            # Each record's first slot: its segment's first, plus `per` for each record
+            # before it in the segment.
+            sn = torch.frombuffer(seg_n, dtype=torch.int64)
+            if int(sn.sum()) != len(all_lens):
+                raise Fallback("segments that are not their run's records")
+            within = torch.arange(len(all_lens)) - torch.repeat_interleave(torch.cumsum(sn, 0)
+                                                                           - sn, sn)  # fmt: skip
+            first = torch.repeat_interleave(torch.frombuffer(seg_start, dtype=torch.int64), sn)
+            first += within * torch.repeat_interleave(torch.frombuffer(seg_per, dtype=torch.int64),
+                                                      sn)  # fmt: skip
+            del within, sn
             # Each record's end slot: the next one's first, or its run's end.
             last_row = torch.cumsum(torch.tensor([len(ln) for _, _, ln in queued]), 0) - 1
             next_slot = torch.empty_like(first)
             next_slot[:-1] = first[1:]
-            next_slot[last_row] = torch.tensor([s.end for s, _, _ in queued])
+            next_slot[last_row] = torch.tensor([segs[-1].end for segs, _, _ in queued])
             walk = _Walk(data, ends - lens, first, t.put)
             ndims: torch.Tensor | None = None
             if t.kind == "chunk":
@@ -886,18 +1074,20 @@ class ColumnRuns:
                 raise Fallback("a record that is not what its pattern matched")
             del walk, data, raw
             batch = len(self.batches)
-            self.batches.append(_Batch(cols, ndims, t.ndim, [s for s, _, _ in queued]))
+            self.batches.append(_Batch(cols, ndims, t.ndim, [segs[0] for segs, _, _ in queued]))
             k = 0
-            for s, _, ln in queued:
+            for segs, _, ln in queued:
                 n = len(ln)
+                run = segs[0].run
                 if t.kind == "chunk":
-                    s.run.coords = cols[k : k + n]
+                    run.coords = cols[k : k + n]
                 else:
                     assert ndims is not None
-                    s.run.offsets, s.run.ndims = cols[k : k + n], ndims[k : k + n]
-                    s.run.where = where[k : k + n]
-                s.pending = False
-                s.batch, s.row0 = batch, k
+                    run.offsets, run.ndims = cols[k : k + n], ndims[k : k + n]
+                    run.where = where[k : k + n]
+                for g in segs:
+                    g.pending = False
+                    g.batch, g.row0 = batch, k + g.rec0
                 k += n
             for field, slots in enumerate(refs):
                 rows = (slots >= 0).nonzero().flatten()
@@ -909,15 +1099,15 @@ class ColumnRuns:
     def _resolve_sizes(self) -> None:
         """Fills every size written as a reference with the values of the size it names.
 
-        A fresh size of a run is found through the runs' slots (records of `per` slots each,
-        or their `starts`: `_parts`); any other slot through the machine's memo (a
-        ``torch.Size`` or tuple of ints, else `Fallback`).
+        A fresh size of a run is found through the runs' segments (records of `per` slots
+        each: `_parts`); any other slot through the machine's memo (a ``torch.Size`` or tuple
+        of ints, else `Fallback`).
         """
         runs = self.sealed
         starts = torch.tensor(self.sealed_starts, dtype=torch.int64)
         ends = torch.tensor([s.end for s in runs], dtype=torch.int64)
         per = torch.tensor([s.per for s in runs], dtype=torch.int64)
-        flags = torch.tensor([s.flags if isinstance(s.flags, int) else 0 for s in runs])
+        flags = torch.tensor([s.flags for s in runs], dtype=torch.int64)
         chunk = torch.tensor([s.template.kind == "chunk" for s in runs])
         sz = torch.tensor([s.template.sz for s in runs])
         batch = torch.tensor([s.batch for s in runs])
@@ -933,8 +1123,6 @@ class ColumnRuns:
             off = slots - starts[r]
             p = per[r].clamp(min=1)
             rec, local, f = off // p, off % p, flags[r]
-            for k in (inside & (per[r] == 0)).nonzero().flatten().tolist():
-                rec[k], local[k], f[k] = runs[int(r[k])].record_of(int(slots[k]))
             # Which size (if any) each slot holds: its field in its record (`_parts`).
             b1, b2 = (f & 1) > 0, (f & 2) > 0  # chunk: offsets, sizes; storage: key, offset
             zs = sz[r]
@@ -1000,14 +1188,41 @@ def _either(fresh: tuple[bytes, ...], ref: tuple[bytes, ...]) -> tuple[bytes, ..
         return fresh
     if empty == len(fresh):
         return ref
-    return list(map(max, fresh, ref))  # b"" < anything
+    if empty * 2 < len(fresh):  # mostly fresh: the few references put in
+        out = list(fresh)
+        for j in _where(fresh, True, empty):
+            out[j] = ref[j]
+        return out
+    out = list(ref)  # mostly references (a rank's path: fresh in its first record)
+    for j in _where(ref, True, len(fresh) - empty):
+        out[j] = fresh[j]
+    return out
 
 
-def _fresh_string(s: _Sealed, slot: int, groups: tuple[Any, ...]) -> bytes | None:
+def _fresh_string(segs: list[_Sealed], slot: int, groups: tuple[Any, ...]) -> bytes | None:
     """The bytes of the fresh string a storage run's record memoized in `slot`, if one did."""
+    s = segs[bisect_right([g.start for g in segs], slot) - 1]
+    if slot >= s.end:
+        return None
     j, at, f = s.record_of(slot)
     kind, _ = _parts(s.template, f)[at]
     return groups[1][j] if kind == "key" else groups[5][j] if kind == "path" else None
+
+
+def _where(g: tuple[bytes, ...], empty: bool, k: int) -> list[int]:
+    """The `k` places where `g` holds b"" (`empty`) or anything else, found by C loops."""
+    out: list[int] = []
+    j = -1
+    if empty:
+        for _ in range(k):
+            j = g.index(b"", j + 1)
+            out.append(j)
+        return out
+    mark = bytes(map(bool, g))  # 1 where something was captured
+    for _ in range(k):
+        j = mark.index(1, j + 1)
+        out.append(j)
+    return out
 
 
 def _ints_of(value: Any) -> tuple[int, ...] | None:

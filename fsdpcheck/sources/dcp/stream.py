@@ -111,6 +111,14 @@ def _read(
     except (struct.error, IndexError, TypeError, AttributeError, KeyError, UnicodeDecodeError,
             RecursionError, OverflowError, MemoryError, RuntimeError) as exc:  # fmt: skip
         raise StreamError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        # The machine and its plugin refer to each other: a cycle that would keep the memo and
+        # every decoded batch (~100 MB at 1M chunks) until the next full collection, which a
+        # command may never run. Broken here, they go when the last reference does.
+        machine.plugin = None
+        machine.mlist, machine.memo = [], {}
+        if runs is not None:
+            runs.detach()
     if runs is None:
         return Parsed(md, digest=source.digest(), nbytes=source.read_total)
     return Parsed(md, runs.storage_runs, runs.names, source.digest(), source.read_total,
