@@ -52,7 +52,7 @@ def dcp(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
 def safetensors(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """A ``.safetensors`` file or a ``*.safetensors.index.json``."""
     del trust
-    from fsdpcheck.sources.files import SafetensorsSource
+    from fsdpcheck.sources.safetensors_files import SafetensorsSource
 
     return SafetensorsSource.from_path(path)  # type: ignore[arg-type]  # a local path
 
@@ -60,7 +60,7 @@ def safetensors(path: Path | RemotePath, *, trust: Verdicts | None = None) -> So
 def torch_save(path: Path | RemotePath, *, trust: Verdicts | None = None) -> Source:
     """A torch.save file, loaded weights-only."""
     del trust
-    from fsdpcheck.sources.files import TorchSaveSource
+    from fsdpcheck.sources.torch_save import TorchSaveSource
 
     return TorchSaveSource(path)  # type: ignore[arg-type]  # a local path
 

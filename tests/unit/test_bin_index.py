@@ -23,8 +23,9 @@ import pytest
 import torch
 
 import fsdpcheck
+from fsdpcheck.errors import CheckpointError
 from fsdpcheck.sources import open_source
-from fsdpcheck.sources.base import CheckpointError, Region
+from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.bin_index import BinIndexSource
 from tests import REPO_ROOT
 

@@ -34,14 +34,8 @@ from typing import Any
 import torch
 
 from fsdpcheck._unpickle import UnsafePickleError
-from fsdpcheck.sources.base import (
-    CheckpointError,
-    Problem,
-    boxes_meet,
-    file_size,
-    open_regular,
-    past_the_end,
-)
+from fsdpcheck.errors import CheckpointError
+from fsdpcheck.sources.base import Problem, boxes_meet
 from fsdpcheck.sources.dcp.metadata import (
     MAX_METADATA,
     METADATA_FILE,
@@ -67,6 +61,7 @@ from fsdpcheck.sources.dcp.stream import (
     StreamError,
     read_metadata_stream,
 )
+from fsdpcheck.sources.fileio import file_size, open_regular, past_the_end
 from fsdpcheck.sources.remote import RemotePath, object_size, open_object
 from fsdpcheck.sources.tiling import Box, tiling_problems
 
