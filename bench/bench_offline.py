@@ -227,7 +227,10 @@ NAIVE_DCP = TIMED.format(
 )
 # The readers' modules are imported before the clock starts (start-up, like importing torch: the
 # command-line rows, whole process minus `fsdpcheck info`, include it).
-READERS = "import fsdpcheck.sources.files, fsdpcheck.sources.dcp.source"
+READERS = (
+    "import fsdpcheck.sources.torch_save, fsdpcheck.sources.safetensors_files, "
+    "fsdpcheck.sources.dcp.source"
+)
 COMPARE = TIMED.format(
     imports="from fsdpcheck.comparison import compare_checkpoints\n" + READERS,
     work="r = compare_checkpoints(sys.argv[1], sys.argv[2], device=sys.argv[3])\n"

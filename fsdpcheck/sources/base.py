@@ -1,23 +1,19 @@
-"""What every reference reader provides: entries with structural paths, and box reads."""
+"""The `Source` contract: what every reference reader provides.
+
+Entries with structural paths, and box reads, in the `Entry` and `Region` it speaks in. How files
+are opened safely is ``sources.fileio``; messages, ``sources.text``; helpers for sources of full
+tensors, ``sources.full``.
+"""
 
 from __future__ import annotations
 
 import math
-import os
-import reprlib
-import stat
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-# CheckpointError and CoverageError live in fsdpcheck.errors; readers import them from here too.
-from fsdpcheck.errors import CheckpointError as CheckpointError
-from fsdpcheck.errors import CoverageError as CoverageError
-from fsdpcheck.errors import shown
 
 if TYPE_CHECKING:
     from fsdpcheck.formats.base import CheckpointInfo
@@ -26,153 +22,6 @@ if TYPE_CHECKING:
 #: of a tensor that no saved chunk covers) or "error" (anything else that makes data unreadable
 #: or ambiguous). The key is "*" when the problem is not about one key.
 Problem = tuple[str, str, str]
-
-
-def printable(text: str) -> str:
-    """`text` with line breaks and other control characters made visible (``errors.shown``)."""
-    return shown(text)
-
-
-def _kind(mode: int) -> str:
-    return (
-        "a directory" if stat.S_ISDIR(mode)
-        else "a FIFO" if stat.S_ISFIFO(mode)
-        else "a socket" if stat.S_ISSOCK(mode)
-        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "not a regular file"
-    )  # fmt: skip
-
-
-def _refused(p: Path, what: str, mode: int) -> CheckpointError:
-    return CheckpointError(f"{what} {p} is {_kind(mode)}, not a regular file; refusing to read it")
-
-
-def check_regular(path: str | os.PathLike[str], what: str = "file") -> Path:
-    """`path`, after checking that it is a regular file (symlinks to regular files are fine).
-
-    A check by path, for messages and for what is not opened here; reads open with
-    `open_regular`, which checks what it opened.
-
-    Raises:
-        FileNotFoundError: It does not exist.
-        PermissionError: A folder on the way may not be searched.
-        CheckpointError: It is a directory, FIFO, socket or device.
-    """
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {p} does not exist") from None
-    except PermissionError:
-        raise PermissionError(f"{what} {p}: permission denied") from None
-    except (ValueError, OSError) as exc:  # a NUL byte, a name too long, ...
-        raise CheckpointError(f"{what} {p!r:.200} cannot be opened: {one_line(exc)}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise _refused(p, what, st.st_mode)
-    return p
-
-
-#: How every checkpoint file is opened: a FIFO opens at once instead of waiting for a writer,
-#: a terminal never becomes the controlling one, and the descriptor is not inherited.
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
-
-
-def open_regular(path: str | os.PathLike[str], what: str = "file") -> tuple[int, os.stat_result]:
-    """An open descriptor of `path` and its ``fstat``, refused unless it is a regular file.
-
-    NOTE: [open by what it is] A check of the path and then an open of it is a race: the file
-    can be replaced by a FIFO (the open blocks forever) or a link to ``/dev/zero`` (never ends)
-    in between. So the file is opened non-blocking and what was opened is checked
-    (``fstat`` on the descriptor); only a regular file is kept. Obvious cases are refused by
-    path first, so that a device is not even opened.
-
-    Raises:
-        FileNotFoundError: It does not exist.
-        PermissionError: It may not be read ("permission denied", naming it).
-        CheckpointError: It is a directory, FIFO, socket or device.
-    """
-    p = Path(path)
-    check_regular(p, what)
-    try:
-        fd = os.open(p, _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {p} does not exist") from None
-    except PermissionError:
-        raise PermissionError(f"{what} {p}: permission denied") from None
-    except OSError as exc:  # a socket (ENXIO), a file that became something else
-        try:
-            mode = os.stat(p).st_mode
-        except OSError:
-            mode = 0
-        if mode and not stat.S_ISREG(mode):
-            raise _refused(p, what, mode) from None
-        raise CheckpointError(f"{what} {p} cannot be opened: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refused(p, what, st.st_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
-def relative_path_problem(root: Path, rel: str, real_root: Path | None = None) -> str | None:
-    """Why a path a checkpoint names may not be opened (outside the checkpoint), or None.
-
-    `real_root` is ``root.resolve()`` when the caller has it (checks of many files).
-    """
-    if "\x00" in rel:
-        return f"names {rel!r}, which holds a NUL byte (no file can)"
-    pure = PurePosixPath(rel)
-    if not pure.parts or rel in (".", "./"):
-        return f"names {rel!r}, which is not a file"
-    if pure.is_absolute() or rel.startswith("\\") or ":" in pure.parts[0]:
-        return f"names the absolute path {rel!r}"
-    if ".." in pure.parts or "\\" in rel:
-        return f"names {rel!r}, outside the checkpoint directory"
-    if len(pure.parts) == 1 and not os.path.islink(root / rel):
-        return None  # a plain name in the folder (the common case: no resolving needed)
-    real_root = real_root or root.resolve()
-    target = (root / rel).resolve()
-    if target != real_root and real_root not in target.parents:
-        return f"names {rel!r}, a link that leads outside the checkpoint directory"
-    return None
-
-
-def file_size(
-    root: Path, rel: str, what: str, real_root: Path | None = None
-) -> tuple[str | None, int]:
-    """(why `rel` under `root` cannot be read at all, or None; its size in bytes)."""
-    bad = relative_path_problem(root, rel, real_root)
-    if bad is not None:
-        return f"{what} {bad}", 0
-    try:
-        fd, st = open_regular(root / rel, "data file")
-    except (FileNotFoundError, PermissionError, CheckpointError) as exc:
-        return f"{what}: {exc}", 0
-    os.close(fd)
-    return None, st.st_size
-
-
-def past_the_end(what: str, end: int, rel: str, size: int) -> str:
-    """The one line for bytes that end past the end of their file."""
-    return f"{what} ends at byte {end} of {rel} but the file has {size} bytes (truncated?)"
-
-
-def file_problem(root: Path, rel: str, end: int, what: str) -> str | None:
-    """Why bytes ``[.., end)`` of `rel` under `root` cannot be read (one line), or None."""
-    why, size = file_size(root, rel, what)
-    if why is None and end > size:
-        why = past_the_end(what, end, rel, size)
-    return why
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message cut to its first line (libraries' messages can span many)."""
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else type(exc).__name__
-    return text[:300] + (" ..." if len(lines) > 1 or len(text) > 300 else "")
 
 
 @dataclass(frozen=True, slots=True)  # slots: a million keys, ~80 bytes each
@@ -371,79 +220,6 @@ def boxes_meet(
     )
 
 
-def into(value: torch.Tensor, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """`value` copied into `out` when given, else to `device` (a copy only if needed)."""
-    if out is not None:
-        return out.copy_(value)
-    return value.to(device, copy=value.device.type == "cpu" and device.type == "cpu")
-
-
-def read_each(
-    regions: Sequence[Region],
-    device: torch.device,
-    out: Sequence[torch.Tensor] | None,
-    fetch: Callable[[Region], torch.Tensor],
-) -> list[torch.Tensor]:
-    """Source.read for sources that fetch one region at a time (on the CPU)."""
-    return [
-        into(fetch(r), out[i] if out is not None else None, device) for i, r in enumerate(regions)
-    ]
-
-
 def slices(region: Region) -> tuple[slice, ...]:
     """Index expression of a region."""
     return tuple(slice(o, o + s) for o, s in zip(region.offset, region.size))
-
-
-# Values read from a file appear in messages and key names only through `show_value`: a
-# bounded depth and length, so a self-referencing, million-deep or exponentially shared
-# structure cannot make a message huge, recurse or never finish.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
-def show_value(value: Any) -> str:
-    """A short repr of a value read from a file (see `_REPR`)."""
-    try:
-        return _REPR.repr(value)
-    except Exception:  # a repr that fails (or recurses) still gets named
-        return f"<{type(value).__name__}>"
-
-
-def _key_text(k: Any) -> str:
-    """A dict key as a path component: names and numbers as written, anything else bounded."""
-    if k is None or isinstance(k, (str, int, float)):
-        return str(k)
-    return show_value(k)
-
-
-def nested_entries(
-    obj: Any,
-    path: tuple[str, ...],
-    out: dict[str, tuple[tuple[str, ...], Any]],
-    collisions: set[str] | None = None,
-) -> None:
-    """Flattens nested dicts/lists of a loaded state dict into ``{dotted key: (path, value)}``.
-
-    Lists of non-tensors (e.g. ``params`` in param_groups) stay one value; lists holding tensors
-    are walked. Two leaves whose dotted keys are the same (``{"a.b": x}`` and
-    ``{"a": {"b": y}}``) are never merged silently: the key goes into `collisions` (the first
-    leaf stays in `out`), or, without `collisions`, a ValueError names it.
-    """
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            nested_entries(v, (*path, _key_text(k)), out, collisions)
-    elif isinstance(obj, (list, tuple)) and any(
-        isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj
-    ):
-        for i, v in enumerate(obj):
-            nested_entries(v, (*path, str(i)), out, collisions)
-    else:
-        key = ".".join(path)
-        if key in out:
-            if collisions is None:
-                raise ValueError(f"two entries flatten to the same key {key!r}")
-            collisions.add(key)
-            return
-        out[key] = (path, obj)

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import torch
 
-from fsdpcheck.sources.base import (
-    CheckpointError,
-    Entry,
-    Problem,
-    Region,
-    Source,
-    file_problem,
-)
-from fsdpcheck.sources.files import TorchSaveSource, read_index
+from fsdpcheck.errors import CheckpointError
+from fsdpcheck.sources.base import Entry, Problem, Region, Source
+from fsdpcheck.sources.fileio import file_problem
+from fsdpcheck.sources.index_json import read_index
+from fsdpcheck.sources.torch_save import TorchSaveSource
 
 INDEX_SUFFIX = ".bin.index.json"
 

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from fsdpcheck.errors import CheckpointError
-from fsdpcheck.sources.base import Entry, Problem, Region, Source, one_line
-from fsdpcheck.sources.files import TorchSaveSource
+from fsdpcheck.sources.base import Entry, Problem, Region, Source
+from fsdpcheck.sources.text import one_line
+from fsdpcheck.sources.torch_save import TorchSaveSource
 
 #: DeepSpeed's optimizer settings (loss scaler, param groups) as DeepSpeed objects: not read.
 OPTIMIZER_STATE = "optimizer_state.pt"

@@ -29,19 +29,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsdpcheck.sources.base import (
-    CheckpointError,
-    CoverageError,
-    Entry,
-    Problem,
-    Region,
-    Source,
-    check_regular,
-    file_problem,
-    one_line,
-)
-from fsdpcheck.sources.files import _SAFETENSORS_DTYPES
+from fsdpcheck.errors import CheckpointError, CoverageError
+from fsdpcheck.sources.base import Entry, Problem, Region, Source
+from fsdpcheck.sources.fileio import check_regular, file_problem
 from fsdpcheck.sources.rawio import populate
+from fsdpcheck.sources.safetensors_files import _SAFETENSORS_DTYPES
+from fsdpcheck.sources.text import one_line
 from fsdpcheck.sources.tiling import Box, box_text, intersect, tiling_problems, uncovered
 
 SHARDING_INFO = "DCP_SHARDING_INFO"

@@ -9,7 +9,8 @@ import torch
 
 from fsdpcheck._compat import tensor_kind_problem
 from fsdpcheck.layout import strides_problem
-from fsdpcheck.sources.base import Entry, Problem, Region, Source, nested_entries, slices
+from fsdpcheck.sources.base import Entry, Problem, Region, Source, slices
+from fsdpcheck.sources.full import nested_entries
 
 
 class MemorySource(Source):

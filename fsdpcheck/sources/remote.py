@@ -734,7 +734,7 @@ _THROTTLE_CODES = {
 
 def _classify(exc: BaseException) -> _Failure | None:
     """What a store's exception means (None: not a store failure; it propagates as it is)."""
-    from fsdpcheck.sources.base import one_line
+    from fsdpcheck.sources.text import one_line
 
     if isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit)):
         return None
@@ -968,7 +968,7 @@ def open_object(path: RemotePath, what: str) -> ObjectFile:
 def name_problem(rel: str) -> str | None:
     """Why a name a checkpoint gives for one of its files may not be read under its prefix.
 
-    The rules of ``base.relative_path_problem`` (no absolute name, no ``..``): an object store
+    The rules of ``fileio.relative_path_problem`` (no absolute name, no ``..``): an object store
     has no links, so nothing else can lead outside.
     """
     if "\x00" in rel:

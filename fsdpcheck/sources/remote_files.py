@@ -14,13 +14,9 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import Region, into
-from fsdpcheck.sources.files import (
-    _MAX_INDEX_BYTES,
-    SafetensorsSource,
-    _Header,
-    parse_index,
-)
+from fsdpcheck.sources.base import Region
+from fsdpcheck.sources.full import into
+from fsdpcheck.sources.index_json import MAX_INDEX_BYTES, parse_index
 from fsdpcheck.sources.rawio import writable_view
 from fsdpcheck.sources.remote import (
     ObjectFile,
@@ -29,6 +25,7 @@ from fsdpcheck.sources.remote import (
     open_object,
     read_small,
 )
+from fsdpcheck.sources.safetensors_files import SafetensorsSource, _Header
 
 __all__ = ["RemoteSafetensorsSource"]
 
@@ -75,7 +72,7 @@ class RemoteSafetensorsSource(SafetensorsSource):
                 raise FileNotFoundError(f"{path} holds no .safetensors files")
             return cls(files, f"safetensors files in {path}")
         if path.name.endswith(".json"):
-            data = read_small(path, _MAX_INDEX_BYTES, "safetensors index")
+            data = read_small(path, MAX_INDEX_BYTES, "safetensors index")
             weight_map = parse_index(data, path, "safetensors index")
             return cls([], f"safetensors index {path}", weight_map, path.parent)
         return cls([path], f"safetensors file {path}")

@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 
 import fsdpcheck
 from fsdpcheck._unpickle import UnsafePickleError
-from fsdpcheck.sources.base import CheckpointError, CoverageError, Region
+from fsdpcheck.errors import CheckpointError, CoverageError
+from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.dcp import index as dcp_index
 from fsdpcheck.sources.dcp import stream as dcp_pickle
 from fsdpcheck.sources.dcp.source import DCPSource
@@ -642,10 +643,10 @@ def test_a_storage_transform_that_inflates_without_end_is_refused(
 def test_files_swapped_for_a_fifo_after_their_check_never_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fsdpcheck.sources import base
-    from fsdpcheck.sources.files import TorchSaveSource
+    from fsdpcheck.sources import fileio
+    from fsdpcheck.sources.torch_save import TorchSaveSource
 
-    real = base.check_regular
+    real = fileio.check_regular
     for target, call in (
         ("__1_0.distcp", fsdpcheck.fingerprint_checkpoint),
         (".metadata", DCPSource),
@@ -661,11 +662,11 @@ def test_files_swapped_for_a_fifo_after_their_check_never_block(
                 os.mkfifo(path)  # ... then a FIFO, before it is opened
             return got
 
-        monkeypatch.setattr(base, "check_regular", swap)
+        monkeypatch.setattr(fileio, "check_regular", swap)
         with pytest.raises(CheckpointError, match=f"{target} is a FIFO") as e:
             call(p)
         assert "\n" not in str(e.value)
-        monkeypatch.setattr(base, "check_regular", real)
+        monkeypatch.setattr(fileio, "check_regular", real)
 
 
 def test_metadata_linked_to_dev_zero_is_refused(tmp_path: Path) -> None:
@@ -778,9 +779,9 @@ _TRUNCATE = """
 import os, sys
 import fsdpcheck
 from fsdpcheck import ops
-from fsdpcheck.sources import files
+from fsdpcheck.sources import safetensors_files, torch_save
 from fsdpcheck.sources.dcp import source as dcp
-from fsdpcheck.sources.base import CheckpointError
+from fsdpcheck.errors import CheckpointError
 
 path, target, when = sys.argv[1], sys.argv[2], sys.argv[3]
 state = {"batches": 0}
@@ -798,7 +799,7 @@ if when == "between":  # after the kernel ran on the first batch, before the nex
             return got
         setattr(mod, name, hooked)
 else:  # "during": the pages were mapped for the kernel, then the file lost them
-    for mod in (dcp, files):
+    for mod in (dcp, safetensors_files, torch_save):
         real_populate = mod.populate
         def hooked(t, real_populate=real_populate):
             real_populate(t)
@@ -964,7 +965,7 @@ def test_a_memo_index_from_the_file_sizes_nothing(tmp_path: Path) -> None:
             """
             import resource, sys
             from fsdpcheck.sources.dcp.source import DCPSource
-            from fsdpcheck.sources.base import CheckpointError
+            from fsdpcheck.errors import CheckpointError
             # 3 GiB more than the interpreter maps once torch is in (a CUDA build of torch maps
             # several GiB of libraries and reservations before anything is read).
             with open("/proc/self/status") as f:

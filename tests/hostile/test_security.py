@@ -20,13 +20,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import fsdpcheck
-from fsdpcheck.sources.base import CheckpointError, CoverageError, Region
+from fsdpcheck.errors import CheckpointError, CoverageError
+from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.dcp.load import SafeFileSystemReader, SafeLoadPlanner
 from fsdpcheck.sources.dcp.source import DCPSource
-from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.merged import MergedSource
+from fsdpcheck.sources.safetensors_files import SafetensorsSource
 from fsdpcheck.sources.tiling import uncovered
+from fsdpcheck.sources.torch_save import TorchSaveSource
 from tests.fuzz_cases import (
     Planted,
     bounded,
@@ -477,7 +479,7 @@ def test_deeply_nested_metadata_is_refused_not_a_crash(tmp_path: Path) -> None:
     (d / ".metadata").write_bytes(b"\x80\x04}" + b")" + b"\x85" * 2_000_000 + b"K\x01s.")
     code = (
         "import sys\nfrom fsdpcheck.sources.dcp.source import DCPSource\n"
-        "from fsdpcheck.sources.base import CheckpointError\n"
+        "from fsdpcheck.errors import CheckpointError\n"
         "try:\n    DCPSource(sys.argv[1])\nexcept CheckpointError as e:\n    print(e)\n"
     )
     done = subprocess.run(
@@ -507,7 +509,7 @@ def test_deeply_nested_torch_save_is_read_not_a_crash(tmp_path: Path) -> None:
     f = tmp_path / "deep.pt"
     f.write_bytes(out.getvalue())
     code = (
-        "import sys\nfrom fsdpcheck.sources.files import TorchSaveSource\n"
+        "import sys\nfrom fsdpcheck.sources.torch_save import TorchSaveSource\n"
         "s = TorchSaveSource(sys.argv[1])\nprint(sorted(s.entries()), s.problems())\n"
     )
     done = subprocess.run(

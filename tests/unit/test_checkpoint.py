@@ -323,10 +323,10 @@ def _damage_metadata_gap(ck):
 @pytest.mark.parametrize(
     ("damage", "error", "match"),
     [
-        (_damage_truncate, fsdpcheck.sources.base.CheckpointError, "bytes"),
-        (_damage_delete, fsdpcheck.sources.base.CheckpointError, "distcp"),
+        (_damage_truncate, fsdpcheck.CheckpointError, "bytes"),
+        (_damage_delete, fsdpcheck.CheckpointError, "distcp"),
         (_damage_manifest, fsdpcheck.ManifestError, "shape"),
-        (_damage_metadata_gap, fsdpcheck.sources.base.CheckpointError, "gap"),
+        (_damage_metadata_gap, fsdpcheck.CheckpointError, "gap"),
     ],
 )
 def test_refused_load_leaves_model_and_optimizer_untouched(tmp_path, damage, error, match):
@@ -548,7 +548,7 @@ def test_a_failed_dcp_read_inside_load_names_the_file_and_key(tmp_path):
     data[:4] = b"XXXX"  # the first saved blob no longer unpickles
     f.write_bytes(bytes(data))
     m2, opt2 = small_model(seed=1)
-    with pytest.raises(fsdpcheck.sources.base.CheckpointError) as e:
+    with pytest.raises(fsdpcheck.CheckpointError) as e:
         fsdpcheck.load(m2, ck, optimizer=opt2)
     text = str(e.value)
     assert "\n" not in text and "FrameSummary" not in text and "Traceback" not in text

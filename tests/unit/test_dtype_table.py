@@ -17,7 +17,7 @@ import fsdpcheck
 from fsdpcheck import kernels
 from fsdpcheck.kernels import KERNEL_DTYPES, SUPPORTED_DTYPES
 from fsdpcheck.sentinel import _SENTINEL_BITS
-from fsdpcheck.sources.files import _BITS, _SAFETENSORS_DTYPES
+from fsdpcheck.sources.safetensors_files import _BITS, _SAFETENSORS_DTYPES
 from fsdpcheck.tolerances import DTYPE_TOLERANCES, tolerance
 from tests import REPO_ROOT
 

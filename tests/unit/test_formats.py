@@ -196,10 +196,11 @@ def test_each_part_names_the_reader_its_path_points_to(tmp_path, kind):
 def test_flat_names_are_a_property_of_the_storage():
     from fsdpcheck.sources.bin_index import BinIndexSource
     from fsdpcheck.sources.dcp.source import DCPSource
-    from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
     from fsdpcheck.sources.hf_storage import HFStorageSource
     from fsdpcheck.sources.memory import MemorySource
     from fsdpcheck.sources.remote_files import RemoteSafetensorsSource
+    from fsdpcheck.sources.safetensors_files import SafetensorsSource
+    from fsdpcheck.sources.torch_save import TorchSaveSource
 
     flat = [SafetensorsSource, HFStorageSource, RemoteSafetensorsSource]
     nested = [DCPSource, TorchSaveSource, BinIndexSource, MemorySource]

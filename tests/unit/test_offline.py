@@ -20,13 +20,15 @@ import torch
 
 from fsdpcheck.box import Box
 from fsdpcheck.comparison import compare_checkpoints
+from fsdpcheck.errors import CheckpointError
 from fsdpcheck.fingerprints import fingerprint_checkpoint
 from fsdpcheck.kernels import fingerprint_tensor
-from fsdpcheck.sources.base import CheckpointError, Region
+from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.dcp.source import DCPSource
-from fsdpcheck.sources.files import SafetensorsSource, TorchSaveSource
 from fsdpcheck.sources.memory import MemorySource
 from fsdpcheck.sources.prefetch import Prefetcher
+from fsdpcheck.sources.safetensors_files import SafetensorsSource
+from fsdpcheck.sources.torch_save import TorchSaveSource
 from fsdpcheck.verification import verify
 
 CPU = torch.device("cpu")

@@ -36,14 +36,8 @@ import torch
 
 from fsdpcheck._collector import paused
 from fsdpcheck._unpickle import UnsafePickleError
-from fsdpcheck.sources.base import (
-    CheckpointError,
-    Problem,
-    boxes_meet,
-    file_size,
-    open_regular,
-    past_the_end,
-)
+from fsdpcheck.errors import CheckpointError
+from fsdpcheck.sources.base import Problem, boxes_meet
 from fsdpcheck.sources.dcp.metadata import (
     MAX_METADATA,
     METADATA_FILE,
@@ -70,6 +64,7 @@ from fsdpcheck.sources.dcp.stream import (
     StreamError,
     read_metadata_stream,
 )
+from fsdpcheck.sources.fileio import file_size, open_regular, past_the_end
 from fsdpcheck.sources.remote import RemotePath, object_size, open_object
 from fsdpcheck.sources.tiling import Box, tiling_problems
 

@@ -30,7 +30,6 @@ from torch.futures import Future
 
 from fsdpcheck._unpickle import load_weights_only
 from fsdpcheck.errors import CheckpointError, describe_error
-from fsdpcheck.sources.base import one_line, open_regular
 from fsdpcheck.sources.dcp.index import DcpIndex, check_storage
 from fsdpcheck.sources.dcp.metadata import (
     StorageCheck,
@@ -38,7 +37,9 @@ from fsdpcheck.sources.dcp.metadata import (
     position,
     read_dcp_metadata,
 )
+from fsdpcheck.sources.fileio import open_regular
 from fsdpcheck.sources.rawio import locate_chunk, located
+from fsdpcheck.sources.text import one_line
 
 __all__ = [
     "NothingWrittenError",

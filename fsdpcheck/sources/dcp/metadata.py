@@ -28,9 +28,10 @@ import torch
 
 from fsdpcheck._unpickle import ADMITTED
 from fsdpcheck.errors import CheckpointError, UnsafePickleError
-from fsdpcheck.sources.base import Problem, open_regular
-from fsdpcheck.sources.base import show_value as _show
+from fsdpcheck.sources.base import Problem
 from fsdpcheck.sources.dcp.stream import ChunkRun
+from fsdpcheck.sources.fileio import open_regular
+from fsdpcheck.sources.text import show_value as _show
 
 __all__ = [
     "METADATA_FILE",

@@ -17,17 +17,11 @@ from typing import Any
 
 import torch
 
-from fsdpcheck.sources.base import (
-    CheckpointError,
-    CoverageError,
-    Entry,
-    Problem,
-    Region,
-    Source,
-    open_regular,
-)
+from fsdpcheck.errors import CheckpointError, CoverageError
+from fsdpcheck.sources.base import Entry, Problem, Region, Source
 from fsdpcheck.sources.dcp.index import DcpIndex, Storage, StorageProblems, open_index
 from fsdpcheck.sources.dcp.metadata import Position
+from fsdpcheck.sources.fileio import open_regular
 from fsdpcheck.sources.rawio import (
     Mapped,
     RawChunk,
@@ -508,7 +502,7 @@ class _Files:
     """The data files of a checkpoint: descriptors opened when read, mappings through the guard.
 
     At most `MAX_OPEN` descriptors are open; one in use is closed only once its reader is done.
-    Each is opened by what it is (NOTE: [open by what it is] in ``base``). Mappings (made by
+    Each is opened by what it is (NOTE: [open by what it is] in ``fileio``). Mappings (made by
     `mapped`, at most `MAX_OPEN` kept) hold no descriptor.
     """
 

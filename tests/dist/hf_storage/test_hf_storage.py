@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 import fsdpcheck
 from fsdpcheck.cli import main
+from fsdpcheck.errors import CheckpointError, CoverageError
 from fsdpcheck.inspection import inspect_checkpoint
-from fsdpcheck.sources import open_source
-from fsdpcheck.sources.base import CheckpointError, CoverageError, Region
+from fsdpcheck.reading.references import open_source
+from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.hf_storage import HFStorageSource
 from tests.corpus.hf_storage import KEYS, PLANTED
 from tests.dist.hf_storage.hf_storage_scenarios import REGISTRY
