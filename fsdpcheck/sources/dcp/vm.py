@@ -211,7 +211,7 @@ class Machine:
                 n = limit
             else:
                 raise StreamError("pickle data was truncated")
-        parts = [self.buf[self.pos :]]
+        parts: list[bytes | memoryview] = [memoryview(self.buf)[self.pos :]]  # copied once
         have = len(parts[0])
         while have < n and not self.input.eof:
             # Never more than a window at once: a length read from the file sizes no
