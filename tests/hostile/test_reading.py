@@ -69,9 +69,10 @@ def write_dcp(
 
     The other ways ``pickle.dump`` writes the same metadata (NOTE: [any pickling] in
     ``dcp_runs``): `paths` "fresh" builds a new path string per storage entry (written in full
-    each time, not as a memo reference); `order` "tensor" lists storage entries tensor by
-    tensor (every rank's entry of a tensor, then the next tensor); `offsets` "shared" gives
-    each ``MetadataIndex`` its chunk's own offsets object (a reference into the chunk).
+    each time, not as a memo reference), "alternate" for every other entry (a run's records
+    differ one from the next); `order` "tensor" lists storage entries tensor by tensor (every
+    rank's entry of a tensor, then the next tensor); `offsets` "shared" gives each
+    ``MetadataIndex`` its chunk's own offsets object (a reference into the chunk).
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -113,7 +114,9 @@ def write_dcp(
                     off[min(dim, t.dim() - 1)] = start
                 at = blob.tell()
                 torch.save(piece.clone(), blob)
-                where = f"__{rank}_0.distcp" if paths == "fresh" else rel  # a new string each
+                # "fresh": a new string each; "alternate": every other entry's
+                fresh = paths == "fresh" or (paths == "alternate" and len(results) % 2 == 1)
+                where = f"__{rank}_0.distcp" if fresh else rel
                 info = _StorageInfo(where, at, blob.tell() - at)
                 chunk = ChunkStorageMetadata(torch.Size(off), piece.size())
                 chunks.append((k, chunk))
@@ -231,7 +234,7 @@ def checkpoints(draw: st.DrawFn) -> dict[str, Any]:
         "shared": draw(st.booleans()),
         "values": draw(st.sampled_from([None, {"opt.lr": 0.1, "opt.step": 3}])),
         "transform": draw(st.sampled_from([None, "stream.zstd/1"])),
-        "paths": draw(st.sampled_from(["shared", "fresh"])),
+        "paths": draw(st.sampled_from(["shared", "fresh", "alternate"])),
         "order": draw(st.sampled_from(["rank", "tensor"])),
         "offsets": draw(st.sampled_from(["own", "shared"])),
     }
@@ -280,12 +283,21 @@ def columns_read(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool
     [
         {},  # as dcp.save writes it
         {"paths": "fresh"},
+        {"paths": "alternate"},
         {"order": "tensor"},
         {"offsets": "shared"},
         {"shared": True},
         {"paths": "fresh", "order": "tensor", "offsets": "shared", "shared": True},
     ],
-    ids=["dcp-save", "fresh-paths", "by-tensor", "shared-offsets", "shared-sizes", "all"],
+    ids=[
+        "dcp-save",
+        "fresh-paths",
+        "alternate-paths",
+        "by-tensor",
+        "shared-offsets",
+        "shared-sizes",
+        "all",
+    ],
 )
 def test_every_way_of_pickling_is_read_as_columns(
     how: dict[str, Any], protocol: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

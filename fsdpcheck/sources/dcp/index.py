@@ -569,10 +569,11 @@ def _storage(index: DcpIndex, parsed: Parsed, what: str, runs: bool) -> None:
         return i
 
     D = index.coords.shape[1] // 2
-    # Entries in dict order, runs where they were set. The plain entries between runs (a
-    # record split by a frame header, a batch's first) are gathered into lists across all
-    # their pieces and the runs' columns joined, each made into tensors once: a run of a few
-    # hundred entries costs no tensor op of its own (there are thousands).
+    # Entries in dict order, runs where they were set. The plain entries between runs (the
+    # first of their kind, one whose fresh path has a length not seen before, whatever no
+    # pattern matched) are gathered into lists across all their pieces and the runs' columns
+    # joined, each made into tensors once: a run costs no tensor op of its own (1M entries
+    # are a thousand runs or more).
     flat: list[int] = []  # the offsets of every plain entry, padded to D
     dims: list[int] = []
     fqs: list[int] = []
