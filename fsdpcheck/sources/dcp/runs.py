@@ -182,6 +182,11 @@ class _Template:
         self._framed: re.Pattern[bytes] | None = None
 
     @property
+    def has_framed(self) -> bool:
+        """Whether `framed` is compiled already."""
+        return self._framed is not None
+
+    @property
     def framed(self) -> re.Pattern[bytes]:
         """A record with FRAME ops between its ops (and before it), each FRAME a group.
 
@@ -658,6 +663,7 @@ class ColumnRuns:
         self.name_ids: dict[str, int] = {}
         self.raw_ids: dict[bytes, int] = {}  # a string field's bytes -> name id (bounded)
         self.last_keys: tuple[Sequence[bytes], array[int]] | None = None  # the last run's
+        self.framed_left = 64  # `_Template.framed` patterns that may still be compiled
         # Per template, runs to decode: (segments, bytes, record lengths).
         self.pending: dict[_Template, list[tuple[list[_Sealed], list[Any], array[int]]]] = {}
         self.pending_bytes = 0
@@ -905,6 +911,12 @@ class ColumnRuns:
             (its groups as `records` captures them, its bytes without the FRAMEs, where it ends
             in `buf`), or None: no such record there (it is read op by op).
         """
+        if not t.has_framed:
+            # Each template's is compiled once (a few ms): a file that makes template after
+            # template (memoizing a field name again and again) gets a bounded number.
+            if self.framed_left <= 0:
+                return None
+            self.framed_left -= 1
         m = t.framed.match(buf, at)
         if m is None:
             return None
