@@ -318,6 +318,25 @@ def test_every_way_of_pickling_is_read_as_columns(
     assert streamed == objects == trusted_summary(path)
 
 
+def test_past_the_templates_a_read_makes_records_are_read_op_by_op(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file could make a template per record (a field name memoized again before each): past
+    a bound, records of a new template are read op by op, and read the same."""
+    from fsdpcheck.sources.dcp import runs as dcp_runs
+
+    tensors = {f"layers.{i}.weight": torch.arange(64.0 * (i + 1)).view(-1, 4) for i in range(3)}
+    tensors["layers.scale"] = torch.ones(5)  # 1-d: another template
+    path = write_dcp(tmp_path / "ck", tensors, 8)
+    monkeypatch.setattr(dcp_runs, "_TEMPLATES", 1)
+    passes, plain_chunks, plain_entries = columns_read(path, monkeypatch)  # (undoes the patch)
+    assert passes == [True]
+    assert plain_chunks + plain_entries > 8  # the 1-d chunks and every storage entry
+    monkeypatch.setattr(dcp_runs, "_TEMPLATES", 1)
+    streamed, objects, _ = read_both(path, monkeypatch)
+    assert streamed == objects == trusted_summary(path)
+
+
 def _frames(raw: bytes) -> list[int]:
     """Where the FRAME ops of a pickle are."""
     return [pos for op, _, pos in pickletools.genops(raw) if op.name == "FRAME"]

@@ -136,6 +136,8 @@ INT = _int_pattern()
 _REF = rb"(?:h.|j....)"
 _E = re.escape
 _TUPLE_OP = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
+#: Most templates (`ColumnRuns.template`) one read makes: a file needs a few.
+_TEMPLATES = 256
 #: Most dims of a storage entry's offsets read in runs (more: that record is read op by op).
 MAX_DIMS = 8
 
@@ -816,8 +818,13 @@ class ColumnRuns:
             self._resolve_sizes()
 
     # -- runs ---------------------------------------------------------------------------------
-    def template(self, kind: str, ndim: int) -> _Template:
-        """The template of `kind` records (chunks: of `ndim` dims) for the slots known now."""
+    def template(self, kind: str, ndim: int) -> _Template | None:
+        """The template of `kind` records (chunks: of `ndim` dims) for the slots known now.
+
+        None past `_TEMPLATES` of them: a file that memoizes a field name again before each
+        record would make one per record (a compiled pattern each, kept); its records are read
+        op by op instead, as any record no template matches.
+        """
         got = self.current.get((kind, ndim))
         if got is not None and got[0] == self.version:
             return got[1]
@@ -827,6 +834,8 @@ class ColumnRuns:
         key = (kind, ndim, tuple(self.slots[n] for n in names), lengths, proto >= 4)
         t = self.templates.get(key)
         if t is None:
+            if len(self.templates) >= _TEMPLATES:
+                return None
             t = self.templates[key] = _Template(
                 kind, ndim, {n: self.slots[n] for n in names}, lengths, proto
             )
@@ -846,6 +855,8 @@ class ColumnRuns:
         frames = vm.proto >= 4  # pickle.dump frames protocols 4 and 5 (`_Template.framed`)
         for ndim in tries:
             t = self.template(kind, ndim)
+            if t is None:
+                continue
             # Per record: its bytes, then its fields that are fresh or references (C loops
             # over the records below; tensor ops for anything per record). A record split by
             # a frame header joins the run without it (`_stitch`), and the run goes on.
