@@ -102,7 +102,12 @@ def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
     """
     import torch.distributed as dist
 
-    import fsdpcheck
+    # From the modules that define them (the package's __init__ sits above every module).
+    from fsdpcheck.errors import CheckpointKindError
+    from fsdpcheck.fingerprints import fingerprint
+    from fsdpcheck.loading import load
+    from fsdpcheck.saving import save
+    from fsdpcheck.verification import verify
 
     rank, world = dist.get_rank(), dist.get_world_size()
     outcomes: list[Outcome] = []
@@ -122,7 +127,7 @@ def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
     # Train with FSDP2 on all ranks, save with a manifest.
     model, opt = build("fsdp", world, device=device)
     train(model, opt, vocab=VOCAB)
-    fsdpcheck.save(model, ck, optimizer=opt)
+    save(model, ck, optimizer=opt)
     # Reload into a fresh model on a 2D FSDP+TP mesh.
     m2, o2 = build("2d", world, seed=1, device=device)
     train(m2, o2, steps=1, vocab=VOCAB)
@@ -130,16 +135,16 @@ def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
     mesh = f"{dp}x{tp} FSDP+TP"
 
     def reload_fp() -> tuple[str, bool]:
-        r = fsdpcheck.load(m2, ck, optimizer=o2, verify="fingerprint", expect="sharded")
+        r = load(m2, ck, optimizer=o2, verify="fingerprint", expect="sharded")
         return f"{_describe(r)} ({r.keys_checked} keys by fingerprint)", r.ok
 
     def verify_full() -> tuple[str, bool]:
-        r = fsdpcheck.verify(m2, ck, optimizer=o2)
+        r = verify(m2, ck, optimizer=o2)
         return f"{_describe(r)} ({r.elements_checked:,} elements)", r.ok
 
     def same_fps() -> tuple[str, bool]:
-        a = fsdpcheck.fingerprint(model, optimizer=opt)
-        b = fsdpcheck.fingerprint(m2, optimizer=o2)
+        a = fingerprint(model, optimizer=opt)
+        b = fingerprint(m2, optimizer=o2)
         n = sum(a[k] == b[k] for k in a)
         return f"{n}/{len(a)} equal", a == b
 
@@ -152,7 +157,7 @@ def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
 
         def fn() -> tuple[str, bool]:
             with fault:
-                r = fsdpcheck.verify(model, ck, optimizer=opt)
+                r = verify(model, ck, optimizer=opt)
             ranks = {f.rank for f in r.findings} | {
                 f.rel_rank for f in r.findings if f.rel_rank is not None
             }
@@ -198,7 +203,7 @@ def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
         with drop_step(opt, model.get_parameter("head.bias")):
             msd, osd = get_state_dict(model, opt)
             dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(work / "ns"))
-        r = fsdpcheck.verify(model, work / "ns", optimizer=opt)
+        r = verify(model, work / "ns", optimizer=opt)
         kinds = [(f.key, f.kind) for f in r.findings]
         return _describe(r), kinds == [("optim.state.head.bias.step", "missing")]
 
@@ -211,8 +216,8 @@ def run_rank(work: Path, device: str = "cpu") -> list[Outcome]:
             torch.save({"model": {k: v.cpu() for k, v in sd.items()}}, full)
         dist.barrier()
         try:
-            fsdpcheck.load(m2, full, expect="sharded")
-        except fsdpcheck.CheckpointKindError:
+            load(m2, full, expect="sharded")
+        except CheckpointKindError:
             return "refused before loading", True
         return "loaded!", False
 

@@ -8,7 +8,8 @@ get_optimizer_state_dict``, which initialises an optimizer that has no state by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,16 +188,10 @@ def _module_state(
     """Adds one module's tensors to `out`; returns its canonicaliser."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from fsdpcheck.convert.declared import has_own_hooks, live_layout
-
     if model_state is not None:
         sd = model_state
     elif has_own_hooks(model):
-        # NOTE: [own state-dict hooks] The module's own hooks (torchtitan's FusedQKVLinear
-        # splits its fused parameter, gathering it first) would run on the shards, and torch's
-        # get_model_state_dict cannot name what they write: the live layout is read as it is
-        # held, and the hooks are the model's declared conversion (``convert.declared``).
-        sd = live_layout(model)
+        sd = live_layout(model)  # as it is held: NOTE: [own state-dict hooks]
     else:
         sd = get_model_state_dict(model)
     raw = {k: v for k, v in sd.items() if _is_tensor(v)}
@@ -261,6 +256,75 @@ def model_canonicalizer(model: torch.nn.Module) -> Any:
     every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     every += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     return names.canonicalizer(every)
+
+
+# -------------------------------------------------------------------------------------------
+# NOTE: [own state-dict hooks] A module's own state-dict hooks (torchtitan's FusedQKVLinear
+# splits its fused parameter, gathering it first) would run on the shards, and torch's
+# get_model_state_dict cannot name what they write: such a model is read as it is held
+# (``live_layout``), and its hooks are the model's declared conversion (``convert.declared``
+# traces them on meta copies).
+def has_own_hooks(model: Any) -> bool:
+    """Whether a module of `model` has state-dict hooks of its own (not torch's)."""
+    return isinstance(model, torch.nn.Module) and bool(hooked_modules(model))
+
+
+def live_layout(model: torch.nn.Module) -> dict[str, Any]:
+    """The parameters and persistent buffers by their module paths, no hook run.
+
+    What ``state_dict()`` would return without the modules' hooks: nothing is gathered.
+    """
+    out: dict[str, Any] = {}
+    for path, module in _walk(model, ""):
+        for name, p in module._parameters.items():
+            if p is not None:
+                out[path + name] = p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[path + name] = b
+    return out
+
+
+def _walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Every module with its state-dict prefix, in ``state_dict()`` order (shared ones again)."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _walk(child, prefix + name + ".")
+
+
+def is_torch_hook(fn: Any) -> bool:
+    """Whether a hook is torch's own (FSDP2's pre-hook, FSDP1's, spectral norm's)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+def _own_hooks(module: torch.nn.Module) -> bool:
+    hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
+    return any(not is_torch_hook(h) for h in hooks)
+
+
+def hooked_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost modules with hooks of their own, with their state-dict prefixes."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        if id(module) in seen:
+            return  # a shared module: its state-dict entries are another path's too
+        seen.add(id(module))
+        if _own_hooks(module):
+            out.append((prefix, module))
+            return
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, prefix + name + ".")
+
+    visit(model, "")
+    return out
 
 
 def _zero3_parameters(

@@ -8,38 +8,33 @@ library wrote is built here too (trainer integrations write one at each save).
 from __future__ import annotations
 
 import ctypes
-import datetime
 import errno
 import os
 import secrets
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from fsdpcheck import _version, matching
 from fsdpcheck._collector import paused
 from fsdpcheck.dist.arguments import given
 from fsdpcheck.dist.runner import ARGUMENTS, Call, RankFailure, call
 from fsdpcheck.errors import RankStoppedError, describe_error, root_cause
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
-from fsdpcheck.formats import is_dcp_dir
-from fsdpcheck.keys import checkpoint_keys
-from fsdpcheck.live import inner_optimizers, model_parts
-from fsdpcheck.manifest import (
-    Manifest,
-    ManifestEntry,
-    SaveIdentity,
-    fsync_dir,
-    sha256_of,
-    write_manifest,
+from fsdpcheck.live import inner_optimizers
+from fsdpcheck.manifest import Manifest, fsync_dir, sha256_of, write_manifest
+from fsdpcheck.saved import (
+    build_manifest,
+    dcp_saves,
+    reached,
+    remote_identity,
+    save_id_of,
+    save_state,
 )
-from fsdpcheck.report import normalized
-from fsdpcheck.sources import Source, open_source
-from fsdpcheck.sources.dcp.metadata import METADATA_FILE, read_dcp_metadata
+from fsdpcheck.saving_remote import save_to_url
+from fsdpcheck.sources import open_source
+from fsdpcheck.sources.dcp.metadata import METADATA_FILE
 from fsdpcheck.sources.dcp.source import DCPSource
 from fsdpcheck.sources.remote import RemotePath, is_url, location
 
@@ -96,8 +91,6 @@ def save(
     with paused(), call("fsdpcheck.save", group, timeout) as c:  # NOTE: [collector]
         try:
             if is_url(path):  # NOTE: [saving to object storage] in saving_remote
-                from fsdpcheck.saving_remote import save_to_url
-
                 return save_to_url(c, model, str(path), optimizer, overwrite, group)
             return _save(c, model, path, optimizer, overwrite, group)
         except RankFailure as f:
@@ -143,13 +136,13 @@ def _save(
         if comm.rank == 0:
             remove_leftovers(target)
             tmp.mkdir(parents=True)
-        return _save_state(model, optimizers)
+        return save_state(model, optimizers)
 
     try:
         state = c.step(f"fsdpcheck.save to {named}", prepare)
-        _step("scratch made")
+        reached("scratch made")
         _dcp_save(state, tmp, named, group, c)
-        _step("state written")
+        reached("state written")
         fps = fingerprint_report(model, optimizer=optimizer, group=group)
         if fps.failure is not None:  # agreed on in the pass: the same on every rank
             fps.failure.raise_()
@@ -164,7 +157,7 @@ def _save(
         def publish() -> None:
             if comm.rank == 0:
                 write_manifest(tmp, manifest)
-                _step("manifest written")
+                reached("manifest written")
                 publish_dir(tmp, target)
 
         c.step(f"moving the checkpoint into {named}", publish)
@@ -197,97 +190,6 @@ def _dcp_save(state: dict[str, Any], tmp: Path, given: Path, group: Any, c: Call
             err.errno = cause.errno
             raise err from None
         raise RuntimeError(message) from None
-
-
-def _save_state(model: Any, optimizers: list[Any]) -> dict[str, Any]:
-    """The state dict to save: every model part's, optimizer state flattened per parameter.
-
-    NOTE: [flattened optimizer state] Hyperparameters are saved per parameter
-    (``optim.param_groups.<fqn>.<name>``, torch's ``flatten_optimizer_state_dict``), not per
-    group index: pipeline stages each have a group 0, and DCP keeps one value per key, so
-    grouped by index every stage but one would lose its hyperparameters.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    from fsdpcheck.convert.declared import has_own_hooks
-
-    parts = model_parts(model)
-    if parts is None:
-        raise TypeError(f"model must be an nn.Module or a list of them, not {type(model).__name__}")
-    msd: dict[str, Any] = {}
-    for part in parts:
-        if has_own_hooks(part):  # NOTE: [own state-dict hooks] in ``live``
-            raise TypeError(
-                f"fsdpcheck.save cannot save {type(part).__name__}: its modules' own state-dict "
-                "hooks change what it saves (and would gather it); save it with its library's "
-                "checkpointer and check that with fsdpcheck.verify, which follows the hooks"
-            )
-        msd.update(get_model_state_dict(part))
-    if not optimizers:
-        return {"model": msd}
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    if len(parts) == 1:
-        opt: Any = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
-        return {"model": msd, "optim": get_optimizer_state_dict(parts[0], opt, options=flat)}
-    if len(optimizers) != len(parts):
-        raise ValueError(
-            f"{len(parts)} model parts but {len(optimizers)} optimizers: pass one optimizer per "
-            "part, in the same order (torchtitan's OptimizersContainer does)"
-        )
-    osd: dict[str, Any] = {}
-    for part, opt in zip(parts, optimizers):
-        osd.update(get_optimizer_state_dict(part, opt, options=flat))
-    return {"model": msd, "optim": osd}
-
-
-def build_manifest(
-    source: Source,
-    fps: FingerprintResult,
-    world_size: int,
-    saves: dict[str, SaveIdentity] | None = None,
-) -> Manifest:
-    """The manifest of a checkpoint from the fingerprint pass over the live state it holds.
-
-    Args:
-        source: The checkpoint as written (its keys name each entry's ``checkpoint_key``).
-        fps: ``fingerprint_report`` of the live model (and optimizer) that was saved.
-        world_size: Ranks that saved it.
-        saves: The DCP save(s) it describes (``dcp_saves``), by directory relative to the
-            manifest's folder.
-    """
-    keys = checkpoint_keys(source)
-    listed = [n for n in fps.metas if n not in fps.tied]
-    by_name, unpaired = matching.match_names(
-        listed, keys, order=fps.order, read_objects=source.read_objects
-    )
-    entries: dict[str, ManifestEntry] = {}
-    meshes: set[str] = set()
-    for lay in fps.layouts.values():  # this rank's layouts (a pipeline stage's meshes only)
-        if "DTensor" in lay.description:
-            meshes.add(lay.description.split(" on mesh ")[-1])
-    for name, meta in sorted(fps.metas.items()):  # every key of the job
-        if name in fps.tied or name not in by_name:
-            continue  # listed once, under the name it is tied to; or not in the checkpoint
-        entries[name] = ManifestEntry(
-            by_name[name], tuple(meta.shape), meta.dtype, fps.fingerprints.get(name)
-        )
-    return Manifest(
-        kind="sharded" if source.is_sharded else "full",
-        storage="dcp" if source.is_sharded else source.kind,
-        world_size=world_size,
-        entries=entries,
-        meshes=sorted(meshes),
-        torch=torch.__version__,
-        fsdpcheck=_version.__version__,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        tied=dict(fps.tied),
-        findings_at_save=[f.describe() for f in normalized(fps.findings + unpaired)],
-        saves=dict(saves or {}),
-    )
 
 
 def write_checkpoint_manifest(
@@ -362,42 +264,6 @@ def _saved_manifest(tmp: Path, fps: FingerprintResult, comm: Any) -> Manifest:
         source.close()
 
 
-def dcp_saves(root: Any, parts: Sequence[Any]) -> dict[str, SaveIdentity]:
-    """Which DCP save each DCP directory among `parts` holds, by path relative to `root`.
-
-    Parts that are not DCP directories, lie outside `root`, or whose metadata carries no save
-    id (torch before 2.4) are left out.
-    """
-    out = {}
-    for part in parts:
-        if not is_dcp_dir(part):
-            continue
-        if isinstance(part, RemotePath):  # one read of .metadata gives both
-            if not isinstance(root, RemotePath) or part.relative(root) == str(part):
-                continue
-            save_id, digest = _remote_identity(part)
-            if save_id is not None:
-                out[part.relative(root)] = SaveIdentity(save_id, digest)
-            continue
-        try:
-            rel = part.absolute().relative_to(root.absolute()).as_posix()
-        except ValueError:
-            continue
-        save_id = _save_id(part)
-        if save_id is not None:
-            out[rel] = SaveIdentity(save_id, sha256_of(part / METADATA_FILE))
-    return out
-
-
-def _remote_identity(d: RemotePath) -> tuple[str | None, str]:
-    """(DCP save id, sha256 of ``.metadata``) of a DCP directory in an object store."""
-    from fsdpcheck.sources.dcp.index import read_parsed
-
-    parsed = read_parsed(d, columns=False)
-    save_id = getattr(getattr(parsed.metadata, "storage_meta", None), "save_id", None)
-    return (save_id if isinstance(save_id, str) else None), parsed.digest
-
-
 def stale_reason(
     folder: Any, manifest: Manifest, digests: Mapping[Any, str] | None = None
 ) -> str | None:
@@ -419,13 +285,13 @@ def stale_reason(
             if known == want.metadata_sha256:
                 continue
             if isinstance(d, RemotePath):  # one read of its .metadata gives both
-                have, digest = _remote_identity(d)
+                have, digest = remote_identity(d)
                 if digest == want.metadata_sha256:
                     continue
             else:
                 if (known or sha256_of(d / METADATA_FILE)) == want.metadata_sha256:
                     continue
-                have = _save_id(d)
+                have = save_id_of(d)
         except (OSError, ValueError):  # unreadable or gone: the structure checks say so
             continue
         if have is not None and have != want.save_id:
@@ -436,12 +302,6 @@ def stale_reason(
                 "into this folder after it), so its shapes and fingerprints describe that save"
             )
     return None
-
-
-def _save_id(d: Path) -> str | None:
-    meta = getattr(read_dcp_metadata(d), "storage_meta", None)
-    save_id = getattr(meta, "save_id", None)
-    return save_id if isinstance(save_id, str) else None
 
 
 # -------------------------------------------------------------------------------------------
@@ -460,17 +320,11 @@ def _save_id(d: Path) -> str | None:
 # renamed aside first, so between the two renames the target is briefly absent; the old one is
 # whole under ``.<name>.fsdpcheck-old-<token>``. A symlinked target is written through: the
 # link stays and the directory it leads to is replaced (its leftovers sit beside that).
+# Each step is announced once done (``saved.reached``): the tests kill a save there.
 
-# Called with the name of each step of a save once it is done (tests kill the process there).
-_STEP_HOOK: Callable[[str], None] | None = None
 _LEFTOVER_TAGS = (".fsdpcheck-tmp-", ".fsdpcheck-old-")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-
-
-def _step(name: str) -> None:
-    if _STEP_HOOK is not None:
-        _STEP_HOOK(name)
 
 
 def resolve_target(path: Path) -> Path:
@@ -503,21 +357,21 @@ def publish_dir(tmp: Path, target: Path) -> None:
         # appears there meanwhile it fails (ENOTEMPTY, EEXIST) and replaces nothing.
         os.rename(tmp, target)
     elif _exchange(tmp, target):
-        _step("published")
+        reached("published")
         _remove(tmp)  # the old checkpoint, under the scratch name now
     else:
         old = target.parent / f".{target.name}{_LEFTOVER_TAGS[1]}{tmp.name.rsplit('-', 1)[-1]}"
         os.rename(target, old)
-        _step("old moved aside")
+        reached("old moved aside")
         try:
             os.rename(tmp, target)
         except BaseException:
             os.rename(old, target)  # the old one back in its place
             raise
-        _step("published")
+        reached("published")
         _remove(old)
     fsync_dir(target.parent)
-    _step("old removed")
+    reached("old removed")
 
 
 def _exchange(a: Path, b: Path) -> bool:

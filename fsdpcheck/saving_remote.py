@@ -22,6 +22,7 @@ from fsdpcheck.errors import RankStoppedError, describe_error, root_cause
 from fsdpcheck.fingerprints import fingerprint_report
 from fsdpcheck.live import inner_optimizers
 from fsdpcheck.manifest import MANIFEST_NAME, Manifest
+from fsdpcheck.saved import build_manifest, dcp_saves, reached, save_state
 from fsdpcheck.sources.remote import RemotePath, location
 
 __all__ = ["save_to_url"]
@@ -35,8 +36,6 @@ def save_to_url(
     Collective, inside save's call (``dist.runner``); the arguments and errors are those of
     ``fsdpcheck.save``.
     """
-    from fsdpcheck.saving import _save_state, _step, build_manifest, dcp_saves
-
     comm = c.comm
 
     def where() -> RemotePath:
@@ -70,11 +69,11 @@ def save_to_url(
                         f"{root} holds objects; pass overwrite=True to replace them"
                     )
                 root.store.remove(root.key)
-        return _save_state(model, optimizers)
+        return save_state(model, optimizers)
 
     state = c.step(f"fsdpcheck.save to {root}", prepare)
     _dcp_save(state, root, group, c)
-    _step("state written")
+    reached("state written")
     fps = fingerprint_report(model, optimizer=optimizer, group=group)
     if fps.failure is not None:  # agreed on in the pass: the same on every rank
         fps.failure.raise_()
@@ -97,7 +96,7 @@ def save_to_url(
         if comm.rank == 0:
             data = json.dumps(manifest.to_json(), indent=1).encode()
             root.store.write(f"{root.key}/{MANIFEST_NAME}", data)
-            _step("manifest written")
+            reached("manifest written")
 
     c.step(f"writing the manifest into {root}", publish)
     return manifest

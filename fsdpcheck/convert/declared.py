@@ -20,14 +20,15 @@ runs them on the shards (torchtitan's hook gathers every ``wqkv`` to Replicate f
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from fsdpcheck.live import hooked_modules, is_torch_hook, model_canonicalizer
 
 Shape = tuple[int, ...]
 
@@ -35,8 +36,6 @@ __all__ = [
     "Chain",
     "Declared",
     "declared_conversion",
-    "has_own_hooks",
-    "live_layout",
     "stated_or_declared",
 ]
 
@@ -111,7 +110,7 @@ def declared_conversion(model: Any) -> Declared | None:
         parts = list(model)  # the pipeline stages a rank runs, named as in the whole model
     else:
         return None
-    hooked = [(part, prefix, m) for part in parts for prefix, m in _hooked_modules(part)]
+    hooked = [(part, prefix, m) for part in parts for prefix, m in hooked_modules(part)]
     hooks = _HookedStateDict(parts[0], hooked) if hooked else None
     first = parts[0]
     saved = [s for s in (_transformers_saved(first), _torchtitan_saved(first)) if s is not None]
@@ -133,73 +132,8 @@ def stated_or_declared(model: Any, convert: Any) -> Any:
     return Chain(declared.hooks, convert)
 
 
-def has_own_hooks(model: Any) -> bool:
-    """Whether a module of `model` has state-dict hooks of its own (not torch's)."""
-    return isinstance(model, torch.nn.Module) and bool(_hooked_modules(model))
-
-
-def live_layout(model: torch.nn.Module) -> dict[str, Any]:
-    """The parameters and persistent buffers by their module paths, no hook run.
-
-    What ``state_dict()`` would return without the modules' hooks: nothing is gathered.
-    """
-    out: dict[str, Any] = {}
-    for path, module in _walk(model, ""):
-        for name, p in module._parameters.items():
-            if p is not None:
-                out[path + name] = p
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                out[path + name] = b
-    return out
-
-
-def _walk(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.nn.Module]]:
-    """Every module with its state-dict prefix, in ``state_dict()`` order (shared ones again)."""
-    yield prefix, module
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _walk(child, prefix + name + ".")
-
-
 def _class_name(model: torch.nn.Module) -> str:
     return _plain_class(type(model)).__name__
-
-
-# -------------------------------------------------------------------------------------------
-# State-dict hooks.
-def _is_torch(fn: Any) -> bool:
-    """Whether a hook is torch's own (FSDP2's pre-hook, FSDP1's, spectral norm's)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    module = getattr(fn, "__module__", None) or type(fn).__module__ or ""
-    return module == "torch" or module.startswith("torch.")
-
-
-def _own_hooks(module: torch.nn.Module) -> bool:
-    hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
-    return any(not _is_torch(h) for h in hooks)
-
-
-def _hooked_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The outermost modules with hooks of their own, with their state-dict prefixes."""
-    out: list[tuple[str, torch.nn.Module]] = []
-    seen: set[int] = set()
-
-    def visit(module: torch.nn.Module, prefix: str) -> None:
-        if id(module) in seen:
-            return  # a shared module: its state-dict entries are another path's too
-        seen.add(id(module))
-        if _own_hooks(module):
-            out.append((prefix, module))
-            return
-        for name, child in module._modules.items():
-            if child is not None:
-                visit(child, prefix + name + ".")
-
-    visit(model, "")
-    return out
 
 
 def _plain_class(cls: type) -> type:
@@ -242,8 +176,10 @@ def _meta_copy(
     children: dict[str, Any] = OrderedDict()
     for name, child in module._modules.items():
         children[name] = None if child is None else _meta_copy(child, path + name + ".", slots)
-    pre = OrderedDict((k, h) for k, h in module._state_dict_pre_hooks.items() if not _is_torch(h))
-    post = OrderedDict((k, h) for k, h in module._state_dict_hooks.items() if not _is_torch(h))
+    pre = OrderedDict(
+        (k, h) for k, h in module._state_dict_pre_hooks.items() if not is_torch_hook(h)
+    )
+    post = OrderedDict((k, h) for k, h in module._state_dict_hooks.items() if not is_torch_hook(h))
     object.__setattr__(copy, "_parameters", params)
     object.__setattr__(copy, "_buffers", buffers)
     object.__setattr__(copy, "_modules", children)
@@ -269,8 +205,6 @@ class _HookedStateDict:
         model: torch.nn.Module,
         hooked: list[tuple[torch.nn.Module, str, torch.nn.Module]],
     ) -> None:
-        from fsdpcheck.live import model_canonicalizer
-
         self.description = f"{_class_name(model)}'s state-dict hooks"
         self.parts: list[tuple[str, torch.nn.Module, dict[str, Any], Callable[[str], str]]] = []
         canons: dict[int, Callable[[str], str]] = {}
@@ -366,8 +300,6 @@ def _tied_duplicates(hf: Any) -> set[str]:
     keeping at least one. The same rule, by object identity.
     """
     import re
-
-    from fsdpcheck.live import model_canonicalizer
 
     try:
         from transformers.modeling_utils import _get_tied_weight_keys

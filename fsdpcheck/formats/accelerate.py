@@ -54,6 +54,9 @@ class Accelerate(CheckpointLayout):
     """An accelerate ``save_state`` directory."""
 
     name = "accelerate"
+    # NOTE: [layout ranks] After hf-trainer (330), whose FSDP folders hold pytorch_model_fsdp_0/
+    # and optimizer_0/ too.
+    rank = 340
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A directory holding accelerate's model, optimizer or RNG-state files."""

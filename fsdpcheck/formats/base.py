@@ -13,8 +13,9 @@ lives in its module under ``fsdpcheck/formats/``:
 - ``placeholder(entry)``: entries that stand for values stored elsewhere (DeepSpeed ZeRO-3),
   which are named as skipped, never compared.
 
-``fsdpcheck.formats.LAYOUTS`` lists them in order of priority; ``describe_path`` asks each in
-turn, the way DCP's ``_storage_setup`` asks each reader class.
+``fsdpcheck.formats.LAYOUTS`` holds every layout defined in the package, in the order of their
+``rank`` (NOTE: [layout ranks]); ``describe_path`` asks each in turn, the way DCP's
+``_storage_setup`` asks each reader class.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -198,11 +199,23 @@ class CheckpointInfo:
 
 
 class Probe:
-    """A path under recognition: its type and (for a directory) its names, read once."""
+    """A path under recognition: its type and (for a directory) its names, read once.
 
-    def __init__(self, path: Path, st: os.stat_result) -> None:
+    Attributes:
+        path: The path.
+        is_dir: Whether it is a directory.
+        describe: Recognises another path as ``fsdpcheck.formats.describe_path`` does, for a
+            layout whose checkpoint is read through a file inside it (``formats.hf_storage``:
+            a consolidated folder is its index); handed in by ``describe_path``, so that a
+            layout module never imports the registry that imports it.
+    """
+
+    def __init__(
+        self, path: Path, st: os.stat_result, describe: Callable[[Path], CheckpointInfo]
+    ) -> None:
         self.path = path
         self.is_dir = stat.S_ISDIR(st.st_mode)
+        self.describe = describe
 
     @cached_property
     def names(self) -> set[str]:
@@ -219,11 +232,51 @@ class Probe:
         return name in self.names and (self.path / name).is_file()
 
 
+# NOTE: [layout ranks] ``describe_path`` asks the layouts in the order of their ``rank``,
+# smallest first, and the first that recognises a path describes it. A rank says how much a
+# layout's recognition requires: its band (the hundreds, ``RANK_BANDS``) runs from the most
+# specific to the least, so a layout never has to look at the layouts of other bands:
+#
+#   100  a DCP directory its writer marks with a file beside .metadata or by the folder's
+#        name (fsdpcheck.save's manifest, torchtitan's step-N)
+#   200  any DCP directory (dcp alone; no layout of a later band takes a DCP directory)
+#   300  a writer's own file names or marker files, not DCP (DeepSpeed's latest and
+#        model-states files, the Trainer's trainer_state.json, PEFT's adapter_config.json)
+#   400  standard weight files beside a library's config file (transformers' config.json)
+#   500  a file by its suffix alone, or a folder by the files it holds (.safetensors, .pt)
+#
+# A new layout takes a free number in the band of its most specific rule (lightning's DCP
+# directories with meta.pt put it in 100, and its .ckpt files come before torch.save's with
+# it). Within the band it goes before each layout that could also claim one of its paths, and
+# those are the only ones it needs to read: deepspeed_universal (310) before deepspeed (320), as
+# a universal folder holds DeepSpeed's model-states files too. Its module says why, beside the
+# number. ``fsdpcheck.formats.LAYOUTS`` lists every layout in order (``rank``, ``name``); two
+# layouts of one rank, a rank outside the bands or a layout without one stop
+# ``fsdpcheck.formats`` from importing, with the layouts named (``formats.discover``).
+#: The bands of ``CheckpointLayout.rank``: (first rank of the band, what its layouts require).
+RANK_BANDS: tuple[tuple[int, str], ...] = (
+    (100, "a DCP directory its writer marks (a file beside .metadata, or the folder's name)"),
+    (200, "any DCP directory"),
+    (300, "a writer's own file names or marker files, not DCP"),
+    (400, "standard weight files beside a library's config file"),
+    (500, "a file by its suffix, or a folder by the files it holds"),
+)
+#: Ranks run from the first band's start to this (exclusive).
+RANK_END = 600
+
+
 class CheckpointLayout:
-    """One writer's checkpoint layout (see the module docstring)."""
+    """One writer's checkpoint layout (see the module docstring).
+
+    A subclass with a ``name``, defined in a module of ``fsdpcheck.formats``, is a layout:
+    ``fsdpcheck.formats.LAYOUTS`` finds it there (a class without a name is a shared base).
+    """
 
     #: The layout's name (``CheckpointInfo.layout``).
     name: ClassVar[str] = ""
+    #: Where ``describe_path`` asks it, smallest first: a number in its band of ``RANK_BANDS``
+    #: (NOTE: [layout ranks]). Every layout declares its own.
+    rank: ClassVar[int | None] = None
     #: How its keys name things.
     grammar: ClassVar[KeyGrammar] = DEFAULT_GRAMMAR
 

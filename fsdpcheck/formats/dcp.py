@@ -10,6 +10,8 @@ class Dcp(CheckpointLayout):
     """Any DCP directory no more specific layout claimed."""
 
     name = "dcp"
+    # NOTE: [layout ranks] Any DCP directory (band 200): after every layout that marks one.
+    rank = 200
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A directory holding ``.metadata``."""

@@ -22,6 +22,9 @@ class DeepSpeed(CheckpointLayout):
     """A DeepSpeed checkpoint folder (or its tag folder, or one model-states file)."""
 
     name = "deepspeed"
+    # NOTE: [layout ranks] After deepspeed_universal (310); before hf-trainer (330), so a
+    # Trainer folder saved under DeepSpeed (its latest file) is read as DeepSpeed's.
+    rank = 320
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """``latest`` or ``*mp_rank_*_model_states.pt`` in a folder, or such a file."""

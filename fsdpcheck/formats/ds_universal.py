@@ -48,6 +48,9 @@ class DeepSpeedUniversal(CheckpointLayout):
     """A ``<tag>_universal`` folder (or the folder whose ``latest_universal`` names one)."""
 
     name = "deepspeed_universal"
+    # NOTE: [layout ranks] Before deepspeed (320): a universal folder holds DeepSpeed's
+    # model-states files too.
+    rank = 310
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A ``zero/`` folder beside ``*mp_rank_*_model_states.pt``, or ``latest_universal``.

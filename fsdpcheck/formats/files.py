@@ -14,6 +14,9 @@ class Safetensors(CheckpointLayout):
     """A ``.safetensors`` file, a ``*.safetensors.index.json``, or a folder of them."""
 
     name = "safetensors"
+    # NOTE: [layout ranks] By suffix, or the files a folder holds (band 500); before torch.save,
+    # so a folder holding both kinds is read as safetensors.
+    rank = 510
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """By suffix (files) or by the files a folder holds."""
@@ -36,6 +39,8 @@ class TorchSave(CheckpointLayout):
     """A ``torch.save`` file (``.pt``, ``.pth``, ``.bin``), or shards with their index."""
 
     name = "torch.save"
+    # NOTE: [layout ranks] Last: by suffix, or a folder's one *.bin.index.json (band 500).
+    rank = 520
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """By suffix; a folder holding one ``*.bin.index.json`` is read through it."""

@@ -47,6 +47,9 @@ class HFStorage(CheckpointLayout):
     """A folder of per-rank shards, one shard file, or a consolidated folder with ``sharded/``."""
 
     name = "hf_storage"
+    # NOTE: [layout ranks] Its shard names are its own (band 300); a folder of them is also a
+    # folder of safetensors (band 500).
+    rank = 360
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """Shards by name; a consolidated folder is read through its index (with a note)."""
@@ -75,9 +78,7 @@ class HFStorage(CheckpointLayout):
         if not shards:
             return None
         if len(index) == 1:
-            from fsdpcheck.formats import describe_path
-
-            info = describe_path(path / index[0])
+            info = probe.describe(path / index[0])  # as describe_path recognises it
             info.path = path
             info.notes.append(
                 f"{SHARDED_DIR}/ holds the per-rank shards these consolidated files were made "

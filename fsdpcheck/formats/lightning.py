@@ -15,6 +15,9 @@ class Lightning(CheckpointLayout):
     """``trainer.save_checkpoint`` (.ckpt) and ``ModelParallelStrategy`` directories."""
 
     name = "lightning"
+    # NOTE: [layout ranks] meta.pt marks a DCP directory (band 100); its .ckpt files come
+    # before torch.save's suffix rule with it.
+    rank = 130
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A ``.ckpt`` file, or a DCP directory with Lightning's ``meta.pt``."""

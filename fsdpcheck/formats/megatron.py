@@ -29,6 +29,8 @@ class Megatron(CheckpointLayout):
 
     name = "megatron"
     grammar = KeyGrammar(state_name_first=True, step_per_parameter=False)
+    # NOTE: [layout ranks] Its metadata.json marks a DCP directory (band 100).
+    rank = 120
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A DCP directory whose ``metadata.json`` names a ``sharded_backend``."""

@@ -11,6 +11,9 @@ class Native(CheckpointLayout):
     """``fsdpcheck.save``: model under ``model.``, optimizer under ``optim.``, a manifest."""
 
     name = "fsdpcheck"
+    # NOTE: [layout ranks] First of all: its manifest is written by fsdpcheck.save alone,
+    # whatever else marks the directory (a torchtitan step-N name).
+    rank = 110
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A DCP directory holding ``fsdpcheck_manifest.json``."""

@@ -18,6 +18,9 @@ class Peft(CheckpointLayout):
     """A PEFT ``save_pretrained`` folder, or its adapter file."""
 
     name = "peft"
+    # NOTE: [layout ranks] After hf-trainer (330): a Trainer folder of a PEFT model holds
+    # adapter_config.json too.
+    rank = 350
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A folder with ``adapter_config.json`` and an adapter file, or that file."""

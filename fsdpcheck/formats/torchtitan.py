@@ -68,6 +68,9 @@ class Torchtitan(CheckpointLayout):
     """A ``step-N`` DCP folder; its parent folder (several steps) is refused with a hint."""
 
     name = "torchtitan"
+    # NOTE: [layout ranks] The step-N name marks a DCP directory (band 100); after the layouts
+    # marked by a file, which a step folder of theirs keeps.
+    rank = 140
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A DCP directory named ``step-N``; a folder of them raises with the one to pass."""

@@ -80,6 +80,9 @@ class TrainerCheckpoint(CheckpointLayout):
     """A ``transformers.Trainer`` ``checkpoint-N`` folder (``trainer_state.json`` inside)."""
 
     name = "hf-trainer"
+    # NOTE: [layout ranks] trainer_state.json marks it (band 300); before accelerate and peft,
+    # whose files a Trainer folder holds (FSDP's pytorch_model_fsdp_0/, a PEFT adapter).
+    rank = 330
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """A directory with ``trainer_state.json`` and the Trainer's model files."""
@@ -106,6 +109,8 @@ class HuggingFace(CheckpointLayout):
     """A ``save_pretrained`` folder, or a sharded safetensors index, with ``config.json``."""
 
     name = "transformers"
+    # NOTE: [layout ranks] Standard weights beside config.json (band 400).
+    rank = 410
 
     def recognize(self, probe: Probe) -> CheckpointInfo | None:
         """``config.json`` beside safetensors weights (a file, shards, or an index)."""

@@ -1,7 +1,7 @@
 """fsdpcheck.save against a kill at any instant, a symlinked target and a full disk.
 
 Every test kills a real process: a forked child runs the save and is SIGKILLed either at a named
-step (``saving._STEP_HOOK``) or at a random moment of a save loop. Afterwards the target must hold
+step (``saved._STEP_HOOK``) or at a random moment of a save loop. Afterwards the target must hold
 one whole checkpoint, old or new (its data agree with its manifest, and equal one of the two
 saved states), what is left beside it must be hidden scratch names, and the next save removes
 them.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fsdpcheck
-from fsdpcheck import saving
+from fsdpcheck import saved, saving
 from fsdpcheck.testing import small_model
 
 # The steps of a save that replaces a checkpoint, in order, and which checkpoint the target
@@ -115,7 +115,7 @@ def test_a_kill_after_each_step_leaves_one_whole_checkpoint(tmp_path, states, st
     fsdpcheck.save(m0, target, optimizer=o0)
 
     def child() -> None:
-        saving._STEP_HOOK = _kill_at(step)
+        saved._STEP_HOOK = _kill_at(step)
         if not exchange:
             saving._exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
         m1, o1 = _model(1)

@@ -19,7 +19,8 @@ from torch import nn
 
 import fsdpcheck
 from fsdpcheck.convert import Chain, ConversionError, compile_conversion
-from fsdpcheck.convert.declared import declared_conversion, has_own_hooks, live_layout
+from fsdpcheck.convert.declared import declared_conversion
+from fsdpcheck.live import has_own_hooks, live_layout
 from fsdpcheck.testing import unchanged
 from tests.unit.test_convert import _run, apply_pieces, codes, programs
 
