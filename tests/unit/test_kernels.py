@@ -127,9 +127,12 @@ def test_many_pairs_in_one_launch_on_every_backend(cs: list[Case]):
         assert_diff_matches(d, ref, c.gshape, "emulated")
 
 
-# One to three chunks on the emulator each: a few in the fast loop (dtype_grid).
+# One to three chunks on the emulator each. The fast loop runs each size with a floating and an
+# integer dtype: the kernels' paths with every element size over two chunks are
+# test_emulator's, every dtype on every backend test_every_dtype_with_box_and_strides'.
 @pytest.mark.parametrize(
-    ("dtype", "n"), dtype_grid([CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 513], variant_first=True)
+    ("dtype", "n"),
+    dtype_grid([CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 513], variant_first=True, each_size=False),
 )
 def test_chunk_boundaries(dtype, n):
     gen = torch.Generator().manual_seed(n)

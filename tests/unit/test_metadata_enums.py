@@ -98,8 +98,8 @@ def _system_python_problem(*, with_torch: bool) -> str | None:
         timeout=120,
     )
     if probe.returncode != 0:
-        what = "torch and fsdpcheck" if with_torch else "its pickle"
-        return f"{SYSTEM_PYTHON} cannot import {what} beside {SITE}: {probe.stderr[-300:]}"
+        what = f"import torch and fsdpcheck from {SITE}" if with_torch else "run"
+        return f"{SYSTEM_PYTHON} cannot {what}: {probe.stderr[-300:]}"
     by_name, version = probe.stdout.split()
     if by_name != "True":
         return f"{SYSTEM_PYTHON} is CPython {version}, which pickles enum members by value"
@@ -116,7 +116,7 @@ def by_name_python() -> None:
 
 @pytest.fixture(scope="module")
 def by_name_python_with_torch(by_name_python: None) -> None:
-    """... and imports torch and fsdpcheck from this environment (a second interpreter start)."""
+    """... and imports torch and fsdpcheck from this environment (seconds: the slow tests')."""
     problem = _system_python_problem(with_torch=True)
     if problem is not None:
         pytest.skip(problem)
