@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace, work: Path, server: Any) -> None:
 
     import fsdpcheck
     from fsdpcheck._compat import fsspec_writer
-    from fsdpcheck.sources import open_source
+    from fsdpcheck.reading.references import open_source
     from fsdpcheck.sources.base import Region
     from fsdpcheck.sources.remote import fetched, reset_fetched
 

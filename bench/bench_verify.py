@@ -151,11 +151,17 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         results[name] = {"s": seconds, "rss": mem.peak, "cuda": mem.cuda_peak}
         return value
 
+    # fsdpcheck.save writes the optimizer state flattened per parameter (as torchtitan does), so
+    # the bare load reads it the same way.
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
     def load() -> None:
-        msd, osd = get_state_dict(fresh, fopt)
+        msd, osd = get_state_dict(fresh, fopt, options=flat)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=str(ck))
-        set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(
+            fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=flat
+        )
 
     phase("dcp.load", load)
     for mode in (None, "fingerprint", "full"):

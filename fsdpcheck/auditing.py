@@ -13,9 +13,10 @@ from fsdpcheck.formats import CheckpointInfo, KeyGrammar, describe_path, grammar
 from fsdpcheck.keys import CheckpointKeys, checkpoint_keys, keys_from_entries, merge_into
 from fsdpcheck.manifest import MANIFEST_NAME, read_manifest
 from fsdpcheck.names import optim_key
+from fsdpcheck.reading.references import open_part
 from fsdpcheck.report import Finding, Report, normalized
 from fsdpcheck.saving import stale_reason
-from fsdpcheck.sources import open_dcp, open_part
+from fsdpcheck.sources import open_dcp
 from fsdpcheck.sources.base import Entry
 from fsdpcheck.sources.remote import RemotePath
 from fsdpcheck.sources.tiling import Box, tiling_problems

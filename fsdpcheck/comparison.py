@@ -37,8 +37,9 @@ from fsdpcheck.convert import Conversion, Piece, Target, compile_conversion
 from fsdpcheck.formats import CheckpointInfo, describe_path
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.reading.plan import Plan, SourceKey
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.report import Finding, MappingRow, Report, normalized
-from fsdpcheck.sources import Source, open_source
+from fsdpcheck.sources import Source
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.stats import KeyStats
 from fsdpcheck.tolerances import CheckSettings, tolerance

@@ -22,8 +22,9 @@ from fsdpcheck.errors import FingerprintError
 from fsdpcheck.kernels import MASK64, SUPPORTED_DTYPES, fingerprint_tensors
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.report import Finding, Report, normalized, uncovered
-from fsdpcheck.sources import Source, open_source, refuse_problems
+from fsdpcheck.sources import Source, refuse_problems
 from fsdpcheck.sources.prefetch import Prefetcher, batch_bytes
 from fsdpcheck.sources.remote import RemotePath, location
 from fsdpcheck.tolerances import checked_budget, checked_patterns

@@ -11,7 +11,7 @@ from typing import Any
 from fsdpcheck.formats import describe_path
 from fsdpcheck.keys import checkpoint_keys
 from fsdpcheck.manifest import read_manifest
-from fsdpcheck.sources import open_info
+from fsdpcheck.reading.references import open_info
 
 #: Placeholder of ``tensors`` in `inspecting`'s summary (the tensors come one at a time).
 TENSORS = "\0tensors\0"

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from fsdpcheck.dist.runner import Call, RankFailure, failed_everywhere
-from fsdpcheck.sources import Source, open_source
+from fsdpcheck.reading.references import open_source
+from fsdpcheck.sources import Source
 
 __all__ = ["open_checked"]
 

@@ -24,6 +24,7 @@ from fsdpcheck.errors import RankStoppedError, describe_error, root_cause
 from fsdpcheck.fingerprints import FingerprintResult, fingerprint_report
 from fsdpcheck.live import inner_optimizers
 from fsdpcheck.manifest import Manifest, fsync_dir, sha256_of, write_manifest
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.saved import (
     build_manifest,
     dcp_saves,
@@ -33,7 +34,6 @@ from fsdpcheck.saved import (
     save_state,
 )
 from fsdpcheck.saving_remote import save_to_url
-from fsdpcheck.sources import open_source
 from fsdpcheck.sources.dcp.metadata import METADATA_FILE
 from fsdpcheck.sources.dcp.source import DCPSource
 from fsdpcheck.sources.remote import RemotePath, is_url, location

@@ -5,8 +5,8 @@ file, torch.save shards behind an index), so it names the reader there (``Part.r
 opening a part is ``part.reader(part.path)``. A storage kind that only one layout writes keeps
 its reader in that layout's module (``formats.hf_storage``, ``formats.ds_universal``), which
 also takes the kind's file-name rules from its source module: the formats import the sources,
-never the other way round (``fsdpcheck.sources.open_source`` imports ``describe_path`` when
-called).
+never the other way round (``fsdpcheck.reading.references.open_source``, above both, imports
+``describe_path``).
 
 NOTE: [readers import lazily] Each reader here imports its ``Source`` when called: recognising
 a path must not pull in torch.distributed.checkpoint (about a second of start-up), which a

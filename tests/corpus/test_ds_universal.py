@@ -16,7 +16,7 @@ import torch
 
 import fsdpcheck
 from fsdpcheck.formats import describe_path
-from fsdpcheck.sources import open_source
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.sources.ds_universal import UniversalZeroSource
 
 TAG = "global_step2_universal"

@@ -16,7 +16,8 @@ from fsdpcheck.comparison import _CompareJob, compare_checkpoints
 from fsdpcheck.inspection import inspect_checkpoint
 from fsdpcheck.keys import CkptKey
 from fsdpcheck.names import WRAPPER_COMPONENTS, canonical_names
-from fsdpcheck.sources import Entry, open_source, prefetch
+from fsdpcheck.reading.references import open_source
+from fsdpcheck.sources import Entry, prefetch
 from fsdpcheck.sources.prefetch import MAX_REGIONS, batch_ranges
 from fsdpcheck.tolerances import CheckSettings
 

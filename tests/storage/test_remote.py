@@ -26,7 +26,7 @@ import fsdpcheck
 from fsdpcheck.cli import main
 from fsdpcheck.errors import CheckpointError, ObjectStoreError
 from fsdpcheck.inspection import inspect_checkpoint
-from fsdpcheck.sources import open_source
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.sources import remote as R
 from fsdpcheck.sources.base import Region
 from tests import REPO_ROOT

@@ -24,7 +24,7 @@ import torch
 
 import fsdpcheck
 from fsdpcheck.errors import CheckpointError
-from fsdpcheck.sources import open_source
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.bin_index import BinIndexSource
 from tests import REPO_ROOT
@@ -304,7 +304,7 @@ def test_more_shard_files_than_descriptors(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import resource, torch, fsdpcheck
-        from fsdpcheck.sources import open_source
+        from fsdpcheck.reading.references import open_source
         from fsdpcheck.sources.base import Region
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))

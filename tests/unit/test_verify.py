@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import fsdpcheck
 from fsdpcheck import matching
-from fsdpcheck.sources import open_source
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.sources.base import Entry, Region
 from fsdpcheck.testing import small_model
 

@@ -25,7 +25,7 @@ import fsdpcheck
 from fsdpcheck.cli import main
 from fsdpcheck.errors import CheckpointError, CoverageError
 from fsdpcheck.inspection import inspect_checkpoint
-from fsdpcheck.sources import open_source
+from fsdpcheck.reading.references import open_source
 from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.hf_storage import HFStorageSource
 from tests.corpus.hf_storage import KEYS, PLANTED

@@ -100,7 +100,7 @@ def _needed(url: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> lis
     Per live tensor, the saved chunks its box (this rank's shard) overlaps; per value
     (hyperparameters), its entry. From the checkpoint's own metadata.
     """
-    from fsdpcheck.sources import open_source
+    from fsdpcheck.reading.references import open_source
 
     msd, osd = get_state_dict(model, opt)
     flat: dict[str, Any] = {}
