@@ -50,6 +50,9 @@ import torch.distributed as dist
 
 from fsdpcheck._spawn import spawn
 
+# The torchtitan parts the tests use (tests/torchtitan_parts.py), from a checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 # Every tensor of the bench models: 8 rows (one per rank at W = 8), 4 columns of fp32.
 SHAPE = (8, 4)
 # Entry points run on a planted fault (their report must not be ok).
@@ -132,41 +135,14 @@ def _counted_rank(rank: int, world: int, port: int, keys: int, workdir: str, tit
 
 def _torchtitan(model: torch.nn.Module, folder: Path, entry: Callable[..., Any]) -> None:
     """torchtitan's CheckpointManager with fsdpcheck's manifests: a save, a load, the check."""
-    from torchtitan.components.checkpointer.dcp import CheckpointManager
-    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
-
     from fsdpcheck.integrations.torchtitan import save_manifests, verify_after_load
+    from tests.torchtitan_parts import checkpoint_manager, optimizers
 
-    group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})
-    opts = OptimizersContainer.Config(param_groups=[group], implementation="for-loop").build(
-        model_parts=[model]
-    )
+    opts, scheds = optimizers(model, lr=1e-3, training_steps=4)
     model(torch.ones(())).backward()
     opts.step()
     opts.zero_grad()
-    scheds = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=opts, training_steps=4)
-
-    class TrainState:
-        step = 0
-
-        def state_dict(self) -> dict[str, Any]:
-            return {"step": self.step}
-
-        def load_state_dict(self, sd: dict[str, Any]) -> None:
-            self.step = sd["step"]
-
-    manager = CheckpointManager.Config(
-        enable=True, folder=folder.name, interval=1, keep_latest_k=0
-    ).build(
-        dataloader=None,
-        model_parts=[model],
-        optimizers=opts,
-        lr_schedulers=scheds,
-        states={"train_state": TrainState()},
-        sd_adapter=None,
-        base_folder=str(folder.parent),
-    )
+    manager = checkpoint_manager(model, opts, scheds, folder)
     save_manifests(manager)
     entry("torchtitan save + manifest", lambda: manager.save(curr_step=1))
     manager.load(step=-1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -20,6 +22,55 @@ ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
 # Sizes around the CPU block (512), a warp/block of threads, and the chunk (65536).
 EDGE_SIZES = [0, 1, 2, 3, 7, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1023, 1025]
 CHUNK = 1 << 16
+
+
+def dtype_grid(
+    variants: list[Any], *, variant_first: bool = False, each_size: bool = True
+) -> list[Any]:
+    """``pytest.param(dtype, variant)`` for every dtype and variant, a few of them in the fast loop.
+
+    scripts/test.sh --fast runs, with `each_size`, each variant with one dtype of each element
+    size (the vector lanes and block strides of the kernels depend on the size), the dtype
+    taken in turn within a size and the turn offset by one from size to size, so that each
+    variant meets floating and integer dtypes and every dtype is in one pair at least; without
+    it, the j-th variant with the j-th floating and the j-th integer dtype (for a test whose
+    dtypes the loop covers elsewhere). The other pairs are marked slow: the whole suite runs all
+    of them. Ids are ``dtype-variant`` (``variant-dtype``, the variant varying slowest, with
+    `variant_first`).
+    """
+    if each_size:
+        by_size: dict[int, list[torch.dtype]] = {}
+        for d in ALL_DTYPES:
+            by_size.setdefault(d.itemsize, []).append(d)
+        fast = {
+            (same[(j + c) % len(same)], v)
+            for c, same in enumerate(by_size.values())
+            for j, v in enumerate(variants)
+        }
+        for same in by_size.values():
+            for k, d in enumerate(same):
+                if not any(fd == d for fd, _ in fast):
+                    fast.add((d, variants[k % len(variants)]))
+    else:
+        fast = {
+            (kind[j % len(kind)], v)
+            for kind in (FLOAT_DTYPES, INT_DTYPES)
+            for j, v in enumerate(variants)
+        }
+    pairs = (
+        [(d, v) for v in variants for d in ALL_DTYPES]
+        if variant_first
+        else [(d, v) for d in ALL_DTYPES for v in variants]
+    )
+    return [
+        pytest.param(
+            d,
+            v,
+            id=f"{v}-{d}" if variant_first else f"{d}-{v}",
+            marks=() if (d, v) in fast else pytest.mark.slow,
+        )
+        for d, v in pairs
+    ]
 
 
 def make_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

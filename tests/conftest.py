@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import FAST_EXAMPLES
+
 # CI runs a fixed, moderate number of examples; FSDPCHECK_HYPOTHESIS=thorough runs many more.
 settings.register_profile(
     "ci",
@@ -24,7 +26,7 @@ settings.register_profile(
 # scripts/test.sh --fast: a few examples each, for the edit-and-run loop.
 settings.register_profile(
     "fast",
-    max_examples=8,
+    max_examples=FAST_EXAMPLES,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

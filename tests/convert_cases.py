@@ -137,3 +137,50 @@ def converted(sd: dict[str, torch.Tensor], fn: Any = to_hf) -> dict[str, torch.T
 
 #: An instance, for ``--convert tests.convert_cases:ADAPTER``.
 ADAPTER = Adapter()
+
+#: The conversion bugs a broken converter makes (``faulty``), each with the target keys it changes.
+FAULTS: dict[str, list[str]] = {
+    "no_permute": [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "kq"],
+    "gate_up_swapped": [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)],
+    "zeros": ["model.layers.0.mlp.down_proj.weight"],
+    "experts_swapped": ["model.layers.1.mlp.experts.w1"],
+    "unstacked_swapped": ["model.layers.0.mlp.experts.0.w2", "model.layers.0.mlp.experts.2.w2"],
+    "transpose_forgotten": ["model.layers.0.self_attn.o_proj.weight"],
+}
+#: ``faulty("one_element")``: one element changed after the conversion, at this target key and
+#: index (row 21 of head 2 of q: source row 19 of ``layers.1.attention.wq.weight``).
+PLANT = ("model.layers.1.self_attn.q_proj.weight", (21, 5))
+
+
+def faulty(fault: str) -> dict[str, torch.Tensor]:
+    """The converted file with one conversion bug of FAULTS, or "one_element" (PLANT)."""
+    src = source_state()
+    sd = converted(src)
+    if fault == "no_permute":
+        for i in range(LAYERS):
+            p, q = f"layers.{i}.", f"model.layers.{i}."
+            sd[q + "self_attn.q_proj.weight"] = src[p + "attention.wq.weight"].clone()
+            sd[q + "self_attn.k_proj.weight"] = src[p + "attention.wkv.weight"][: KV * HD].clone()
+    elif fault == "gate_up_swapped":
+        for i in range(LAYERS):
+            p = f"layers.{i}.feed_forward."
+            sd[f"model.layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [src[p + "w3.weight"], src[p + "w1.weight"]]
+            )
+    elif fault == "zeros":
+        (key,) = FAULTS[fault]
+        sd[key] = torch.zeros_like(sd[key])
+    elif fault == "experts_swapped":
+        (key,) = FAULTS[fault]
+        sd[key] = sd[key][[0, 2, 1]].clone()
+    elif fault == "unstacked_swapped":
+        a, b = FAULTS[fault]
+        sd[a], sd[b] = sd[b], sd[a]
+    elif fault == "transpose_forgotten":  # wo is square: the untransposed tensor fits
+        (key,) = FAULTS[fault]
+        sd[key] = src["layers.0.attention.wo.weight"].clone()
+    elif fault == "one_element":
+        sd[PLANT[0]][PLANT[1]] += 1.0
+    else:
+        raise ValueError(f"no fault {fault!r}")
+    return sd

@@ -27,6 +27,7 @@ from fsdpcheck.testing import unchanged
 from tests.corpus import bump, set_element
 from tests.corpus import convert_libs as cl
 from tests.dist_harness import Registry, World
+from tests.torchtitan_parts import Stateful, checkpoint_manager, optimizers
 
 REGISTRY = Registry()
 scenario = REGISTRY.scenario
@@ -74,51 +75,20 @@ def titan_model(seed: int) -> Any:
 
 
 def titan_optimizers(model: Any) -> tuple[Any, Any]:
-    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
-
-    cfg = OptimizersContainer.Config(
-        param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                             optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})
-        ],
-        implementation="for-loop",
-    )  # fmt: skip
-    opts = cfg.build(model_parts=[model])
-    scheds = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=opts, training_steps=9)
-    return opts, scheds
-
-
-class _Stateful:
-    def __init__(self, **state: Any) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.state)
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.state = dict(sd)
+    return optimizers(model, lr=1e-2, weight_decay=0.1, training_steps=9)
 
 
 def save_step(model: Any, opts: Any, scheds: Any, root: Path, folder: str, hf: bool,
               dtype: str = "float32") -> Path:  # fmt: skip
     """torchtitan's CheckpointManager: a step folder, or the HF export of the last step."""
-    from torchtitan.components.checkpointer.dcp import CheckpointManager
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    cfg = CheckpointManager.Config(
-        enable=True, folder=folder, interval=1, keep_latest_k=0, last_save_in_hf=hf,
-        last_save_model_only=hf, export_dtype=dtype,
-    )  # fmt: skip
-    manager = cfg.build(
-        dataloader=_Stateful(position=3),
-        model_parts=[model],
-        optimizers=opts,
-        lr_schedulers=scheds,
-        states={"train_state": _Stateful(step=1)},
+    manager = checkpoint_manager(
+        model, opts, scheds, root / folder, dataloader=Stateful(position=3),
+        states={"train_state": Stateful(step=1)},
         sd_adapter=Llama3StateDictAdapter(model.config, None),
-        base_folder=str(root),
-    )
+        last_save_in_hf=hf, last_save_model_only=hf, export_dtype=dtype,
+    )  # fmt: skip
     manager.save(curr_step=1, last_step=hf)
     manager.close()
     return root / folder / "step-1"

@@ -31,9 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fsdpcheck
+from tests import examples
 from tests.fuzz_cases import Planted, bounded, save_dcp, tiny_state
 
-EXAMPLES = int(os.environ.get("FSDPCHECK_FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("FSDPCHECK_FUZZ_EXAMPLES", examples(15)))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -38,7 +38,7 @@ from fsdpcheck.sources.base import Region
 from fsdpcheck.sources.dcp import index as dcp_index
 from fsdpcheck.sources.dcp import stream as dcp_pickle
 from fsdpcheck.sources.dcp.source import DCPSource
-from tests import REPO_ROOT
+from tests import REPO_ROOT, examples
 
 CPU = torch.device("cpu")
 REPO = REPO_ROOT
@@ -240,7 +240,7 @@ def checkpoints(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(case=checkpoints())
 def test_streamed_metadata_equals_the_unpickler_and_dcp(
     case: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
@@ -516,7 +516,7 @@ def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[tuple[Any, Any]]]:
     return shape, [boxes[i] for i in order]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(layout=layouts(), data=st.data())
 def test_chunks_overlapping_equals_a_scan(layout: Any, data: st.DataObject) -> None:
     from fsdpcheck.sources.base import Source, boxes_meet
@@ -949,7 +949,7 @@ def pristine_metadata(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, b
     return p, (p / ".metadata").read_bytes()
 
 
-@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(80), deadline=None, derandomize=True, database=None)
 @given(data=st.data())
 def test_fuzzed_metadata_streams_as_the_unpickler_reads_it(
     pristine_metadata: tuple[Path, bytes], data: st.DataObject

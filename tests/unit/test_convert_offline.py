@@ -75,47 +75,9 @@ def test_one_element_changed_after_conversion_is_named_at_both_ends(source_dir, 
     assert "at index (21, 5) <- layers.1.attention.wq.weight (19, 5)" in f.describe()
 
 
-@pytest.mark.parametrize(
-    ("fault", "keys"),
-    [
-        (
-            "no_permute",
-            [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "kq"],
-        ),
-        ("gate_up_swapped", [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)]),
-        ("zeros", ["model.layers.0.mlp.down_proj.weight"]),
-        ("experts_swapped", ["model.layers.1.mlp.experts.w1"]),
-        (
-            "unstacked_swapped",
-            ["model.layers.0.mlp.experts.0.w2", "model.layers.0.mlp.experts.2.w2"],
-        ),
-        ("transpose_forgotten", ["model.layers.0.self_attn.o_proj.weight"]),
-    ],
-)
+@pytest.mark.parametrize(("fault", "keys"), list(cc.FAULTS.items()))
 def test_planted_conversion_bugs_name_exactly_the_affected_keys(fault, keys, source_dir, tmp_path):
-    src = cc.source_state()
-    sd = cc.converted(src)
-    if fault == "no_permute":
-        for i in range(cc.LAYERS):
-            p, q = f"layers.{i}.", f"model.layers.{i}."
-            sd[q + "self_attn.q_proj.weight"] = src[p + "attention.wq.weight"].clone()
-            sd[q + "self_attn.k_proj.weight"] = src[p + "attention.wkv.weight"][
-                : cc.KV * cc.HD
-            ].clone()
-    elif fault == "gate_up_swapped":
-        for i in range(cc.LAYERS):
-            p = f"layers.{i}.feed_forward."
-            sd[f"model.layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [src[p + "w3.weight"], src[p + "w1.weight"]]
-            )
-    elif fault == "zeros":
-        sd[keys[0]] = torch.zeros_like(sd[keys[0]])
-    elif fault == "experts_swapped":
-        sd[keys[0]] = sd[keys[0]][[0, 2, 1]].clone()
-    elif fault == "unstacked_swapped":
-        sd[keys[0]], sd[keys[1]] = sd[keys[1]], sd[keys[0]]
-    elif fault == "transpose_forgotten":
-        sd[keys[0]] = src["layers.0.attention.wo.weight"].clone()
+    sd = cc.faulty(fault)
     for way in WAYS:
         r = fsdpcheck.compare_checkpoints(source_dir, write(tmp_path, sd), convert=WAYS[way]())
         assert value_keys(r) == sorted(keys), (way, str(r))

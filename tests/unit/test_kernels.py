@@ -20,6 +20,7 @@ from tests.cases import (
     Case,
     assert_diff_matches,
     cases,
+    dtype_grid,
     make_values,
     perturb,
 )
@@ -126,8 +127,13 @@ def test_many_pairs_in_one_launch_on_every_backend(cs: list[Case]):
         assert_diff_matches(d, ref, c.gshape, "emulated")
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("n", [CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 513])
+# One to three chunks on the emulator each. The fast loop runs each size with a floating and an
+# integer dtype: the kernels' paths with every element size over two chunks are
+# test_emulator's, every dtype on every backend test_every_dtype_with_box_and_strides'.
+@pytest.mark.parametrize(
+    ("dtype", "n"),
+    dtype_grid([CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 513], variant_first=True, each_size=False),
+)
 def test_chunk_boundaries(dtype, n):
     gen = torch.Generator().manual_seed(n)
     a = make_values((n,), dtype, gen)
@@ -178,6 +184,7 @@ def test_misaligned_inputs(dtype, n):
     a = make_values((n,), dtype, gen)
     e = perturb(a, 3, gen, 1e-3)
     want = fsdpcheck.compare([a], [e], rtol=1e-3)
+    ref = Case(a, e, None, 1e-3, 0.0, True).reference()  # the same for every shift
     for shift in range(1, dtype.itemsize):
         ma, me = _misaligned_copy(a, shift), _misaligned_copy(e, dtype.itemsize - shift)
         assert torch.equal(ma.view(torch.uint8), a.view(torch.uint8))
@@ -198,7 +205,7 @@ def test_misaligned_inputs(dtype, n):
                 reference.fingerprint(col_a.contiguous(), (n // 2, 2), (0, 1))
             ]
         (d,) = backends.compare("reference", [ma], [me], rtol=1e-3)
-        assert_diff_matches(d, Case(a, e, None, 1e-3, 0.0, True).reference(), (n,))
+        assert_diff_matches(d, ref, (n,))
         # The CUDA kernels read whole elements: their path refuses the input before launch.
         with pytest.raises(ValueError, match=r"_emulated: actual\[0\] starts at address 0x"):
             backends.compare("emulated", [ma], [e])

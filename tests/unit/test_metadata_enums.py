@@ -88,17 +88,18 @@ def system_python(code: str, timeout: float = 240) -> subprocess.CompletedProces
     )
 
 
-def _system_python_problem() -> str | None:
+def _system_python_problem(*, with_torch: bool) -> str | None:
     """Why the system Python cannot show the real pickler here (None: it can)."""
     if not SYSTEM_PYTHON.exists():
         return f"no {SYSTEM_PYTHON}"
     probe = system_python(
-        "import pickle, uuid, torch, fsdpcheck\n"
+        f"import pickle, uuid{', torch, fsdpcheck' if with_torch else ''}\n"
         "print(b'getattr' in pickle.dumps(uuid.SafeUUID.safe, 4), sys.version.split()[0])",
         timeout=120,
     )
     if probe.returncode != 0:
-        return f"{SYSTEM_PYTHON} cannot import torch from {SITE}: {probe.stderr[-300:]}"
+        what = f"import torch and fsdpcheck from {SITE}" if with_torch else "run"
+        return f"{SYSTEM_PYTHON} cannot {what}: {probe.stderr[-300:]}"
     by_name, version = probe.stdout.split()
     if by_name != "True":
         return f"{SYSTEM_PYTHON} is CPython {version}, which pickles enum members by value"
@@ -107,7 +108,16 @@ def _system_python_problem() -> str | None:
 
 @pytest.fixture(scope="module")
 def by_name_python() -> None:
-    problem = _system_python_problem()
+    """The system Python pickles enum members by name (a plain enum of the standard library)."""
+    problem = _system_python_problem(with_torch=False)
+    if problem is not None:
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def by_name_python_with_torch(by_name_python: None) -> None:
+    """... and imports torch and fsdpcheck from this environment (seconds: the slow tests')."""
+    problem = _system_python_problem(with_torch=True)
     if problem is not None:
         pytest.skip(problem)
 
@@ -162,7 +172,7 @@ def test_the_emulation_writes_the_bytes_cpython_3_11_2_writes(by_name_python: No
 # The real pickler of CPython 3.11.2.
 @pytest.mark.slow
 def test_cpython_3_11_2_writes_metadata_fsdpcheck_reads_and_saves(
-    by_name_python: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    by_name_python_with_torch: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = system_python(
         f"""

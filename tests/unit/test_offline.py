@@ -530,7 +530,8 @@ def test_fingerprint_of_boxes_adds_up_in_batches(sharded: Path) -> None:
         src.close()
 
 
-@pytest.mark.parametrize("which", ["sharded", "single"])
+# The 4-rank save's fixture spawns 4 ranks (slow); the single-process save has zip blobs too.
+@pytest.mark.parametrize("which", [pytest.param("sharded", marks=pytest.mark.slow), "single"])
 def test_zip_scan_fast_path_agrees_with_the_zipfile_module(
     which: str, request: pytest.FixtureRequest
 ) -> None:

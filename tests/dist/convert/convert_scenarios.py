@@ -27,14 +27,6 @@ from tests.dist_harness import Registry, World
 REGISTRY = Registry()
 scenario = REGISTRY.scenario
 WAYS = {"callable": cc.to_hf, "adapter": cc.Adapter(), "spec": cc.SPEC}
-PLANT = ("model.layers.1.self_attn.q_proj.weight", (21, 5))
-FAULT_KEYS = {
-    "no_permute": [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "kq"],
-    "gate_up_swapped": [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)],
-    "zeros": ["model.layers.0.mlp.down_proj.weight"],
-    "experts_swapped": ["model.layers.1.mlp.experts.w1"],
-    "unstacked_swapped": ["model.layers.0.mlp.experts.0.w2", "model.layers.0.mlp.experts.2.w2"],
-}
 
 
 class _Holder(nn.Module):
@@ -54,37 +46,6 @@ def fully_sharded(seed: int = 0) -> nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
-
-
-def faulty(fault: str) -> dict[str, torch.Tensor]:
-    """The converted file with one conversion bug (what a broken converter writes)."""
-    src = cc.source_state()
-    sd = cc.converted(src)
-    if fault == "no_permute":
-        for i in range(cc.LAYERS):
-            p, q = f"layers.{i}.", f"model.layers.{i}."
-            sd[q + "self_attn.q_proj.weight"] = src[p + "attention.wq.weight"].clone()
-            sd[q + "self_attn.k_proj.weight"] = src[p + "attention.wkv.weight"][
-                : cc.KV * cc.HD
-            ].clone()
-    elif fault == "gate_up_swapped":
-        for i in range(cc.LAYERS):
-            p = f"layers.{i}.feed_forward."
-            sd[f"model.layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [src[p + "w3.weight"], src[p + "w1.weight"]]
-            )
-    elif fault == "zeros":
-        key = FAULT_KEYS["zeros"][0]
-        sd[key] = torch.zeros_like(sd[key])
-    elif fault == "experts_swapped":
-        key = FAULT_KEYS["experts_swapped"][0]
-        sd[key] = sd[key][[0, 2, 1]].clone()
-    elif fault == "unstacked_swapped":
-        a, b = FAULT_KEYS["unstacked_swapped"]
-        sd[a], sd[b] = sd[b], sd[a]
-    elif fault == "one_element":
-        sd[PLANT[0]][PLANT[1]] += 1.0
-    return sd
 
 
 @dataclass
@@ -114,8 +75,8 @@ def setup(rank: int, world: int, shared: Path, saved_by: Any) -> tuple[dict, Bas
     ckpts = {}
     files = {"clean": cc.converted(cc.source_state())}
     files["bf16"] = cc.converted(cc.source_state(), cc.to_hf_bf16)
-    for fault in [*FAULT_KEYS, "one_element"]:
-        files[fault] = faulty(fault)
+    for fault in [*cc.FAULTS, "one_element"]:
+        files[fault] = cc.faulty(fault)
     for name, sd in files.items():
         path = shared / f"{name}.safetensors"
         if rank == 0:
@@ -178,7 +139,7 @@ def verify_planted_conversion_bugs(w: World) -> Any:
     m = w.base.model
     out = {}
     with unchanged(m):
-        for fault in [*FAULT_KEYS, "one_element"]:
+        for fault in [*cc.FAULTS, "one_element"]:
             out[fault] = {
                 way: summary(fsdpcheck.verify(m, w.ckpts[fault], convert=conv))
                 for way, conv in WAYS.items()

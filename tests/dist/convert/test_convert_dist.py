@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests import convert_cases as cc
-from tests.dist.convert.convert_scenarios import FAULT_KEYS, PLANT, REGISTRY
+from tests.dist.convert.convert_scenarios import REGISTRY
 from tests.dist_harness import Checks, Spawns
 
 SCENARIOS_MODULE = "tests.dist.convert.convert_scenarios"
@@ -47,7 +47,7 @@ def clean_is_ok_each_way(r, world):
 
 @checks("verify_planted_conversion_bugs")
 def each_bug_names_exactly_its_keys(r, world):
-    for fault, keys in FAULT_KEYS.items():
+    for fault, keys in cc.FAULTS.items():
         for way, got in r[fault].items():
             assert sorted({f[0] for f in got["findings"]}) == sorted(keys), (
                 fault,
@@ -57,7 +57,7 @@ def each_bug_names_exactly_its_keys(r, world):
             assert {f[1] for f in got["findings"]} == {"value"}, (fault, way)
     # Source row 19 of wq: rank 1's shard on 2 ranks (16..31) and on 3 ranks (11..21).
     for way, got in r["one_element"].items():
-        assert got["findings"] == [[PLANT[0], "value", list(PLANT[1]), 1]], (way, got["text"])
+        assert got["findings"] == [[cc.PLANT[0], "value", list(cc.PLANT[1]), 1]], (way, got["text"])
         assert got["sources"] == [["layers.1.attention.wq.weight", [19, 5]]]
         assert "at index (21, 5) <- layers.1.attention.wq.weight (19, 5) on rank 1" in got["text"]
 
@@ -66,7 +66,7 @@ def each_bug_names_exactly_its_keys(r, world):
 def live_fingerprints_in_converted_coordinates(r, world):
     assert r["clean"] and r["bf16"] and r["spec_equal"]
     assert r["clean_keys"] == TARGETS
-    assert r["planted_differs"] == [PLANT[0]]
+    assert r["planted_differs"] == [cc.PLANT[0]]
 
 
 @checks("sharded_files_on_both_sides")

@@ -25,6 +25,7 @@ from fsdpcheck.testing import (
     unchanged,
 )
 from fsdpcheck.watch import ReplicaWatch
+from tests import torchtitan_parts
 from tests.dist_harness import Registry, World
 
 REGISTRY = Registry()
@@ -128,43 +129,11 @@ def watch_ddp_perturbed(world: World) -> Any:
 
 # -------------------------------------------------------------------------------------------
 # torchtitan: CheckpointManager + OptimizersContainer on the FSDP2 tiny transformer.
-class _TrainState:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = sd["step"]
-
-
 def _titan(folder: Path, *, seed: int = 0) -> tuple[Any, Any, Any]:
     """A FSDP2 model, its OptimizersContainer and a CheckpointManager saving into `folder`."""
-    from torchtitan.components.checkpointer.dcp import CheckpointManager
-    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
-
     model, _ = build("fsdp", 4, seed=seed)
-    opts = OptimizersContainer.Config(
-        param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-        ],
-        implementation="for-loop",
-    ).build(model_parts=[model])
-    scheds = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=opts, training_steps=10)
-    manager = CheckpointManager.Config(
-        enable=True, folder=folder.name, interval=1, keep_latest_k=0
-    ).build(
-        dataloader=None,
-        model_parts=[model],
-        optimizers=opts,
-        lr_schedulers=scheds,
-        states={"train_state": _TrainState()},
-        sd_adapter=None,
-        base_folder=str(folder.parent),
-    )
-    return model, opts, manager
+    opts, scheds = torchtitan_parts.optimizers(model, lr=1e-2, training_steps=10)
+    return model, opts, torchtitan_parts.checkpoint_manager(model, opts, scheds, folder)
 
 
 @scenario(4)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdpcheck
-from fsdpcheck import layout, saving, verification
+from fsdpcheck import layout, saved, verification
 from fsdpcheck.sources.dcp import index as dcp_index
 from fsdpcheck.sources.dcp import load as safe_reader
 from fsdpcheck.sources.dcp import source as dcp
@@ -105,7 +105,7 @@ def counted(fn: Callable[[], Any]) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_wrapped(dcp_index, "read_parsed", parsed))
         stack.enter_context(_wrapped(safe_reader, "read_dcp_metadata", dcp_parsed))
-        stack.enter_context(_wrapped(saving, "read_dcp_metadata", dcp_parsed))
+        stack.enter_context(_wrapped(saved, "read_dcp_metadata", dcp_parsed))
         stack.enter_context(_wrapped(dcp_index, "check", checked))
         stack.enter_context(_wrapped(dcp, "open_index", opened))
         stack.enter_context(_wrapped(verification, "_along_chunks", cut))
