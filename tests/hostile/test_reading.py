@@ -392,16 +392,7 @@ def test_frames_moved_or_grown_read_as_the_unpickler_reads_them(
             del buf[at : at + 9]
         to = at + data.draw(st.integers(-120, 120))
         buf[to:to] = header
-    try:
-        (path / ".metadata").write_bytes(bytes(buf))
-        objects = _outcome(path, 1 << 40)
-        streamed = _outcome(path, 0)
-    finally:
-        (path / ".metadata").write_bytes(raw)
-    if objects[0] == "ok":
-        assert streamed == objects
-    else:
-        assert streamed[0] == "error"
+    _streamed_as_objects(path, raw, buf)
 
 
 def test_a_reference_into_a_record_read_as_columns_reads_the_file_as_objects(
@@ -928,6 +919,21 @@ def test_pread_mode_reads_the_same_without_mapping(
     assert found[0] == found[1] == [("l1", "value", (20, 3))]
 
 
+def _streamed_as_objects(path: Path, raw: bytes, buf: bytearray) -> None:
+    """`buf` as the `.metadata` of `path` reads as the object path reads it (or fails); `raw`
+    is put back after."""
+    try:
+        (path / ".metadata").write_bytes(bytes(buf))
+        objects = _outcome(path, 1 << 40)
+        streamed = _outcome(path, 0)
+    finally:
+        (path / ".metadata").write_bytes(raw)
+    if objects[0] == "ok":
+        assert streamed == objects
+    else:
+        assert streamed[0] == "error"
+
+
 def _outcome(path: Path, small: int) -> tuple[str, Any]:  # small=0: column runs
     """What opening the index gives: ("ok", summary) or ("error", the exception's type)."""
     old = dcp_index.SMALL
@@ -973,16 +979,7 @@ def test_fuzzed_metadata_streams_as_the_unpickler_reads_it(
             buf[at:at] = buf[at : at + n]
         else:
             del buf[at:]
-    try:
-        (path / ".metadata").write_bytes(bytes(buf))
-        objects = _outcome(path, 1 << 40)
-        streamed = _outcome(path, 0)
-    finally:
-        (path / ".metadata").write_bytes(raw)
-    if objects[0] == "ok":
-        assert streamed == objects
-    else:
-        assert streamed[0] == "error"
+    _streamed_as_objects(path, raw, buf)
 
 
 @pytest.mark.slow
